@@ -1,0 +1,5 @@
+import sys
+
+from blockspec.cli import main
+
+sys.exit(main())

@@ -1,0 +1,5 @@
+"""Placeholder until the bench subcommand lands."""
+
+
+def register(sub) -> None:
+    return None

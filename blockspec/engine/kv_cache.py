@@ -1,0 +1,123 @@
+"""KV cache: one preallocated slab per running sequence, drawn from a shared pool.
+
+Layout per layer: [num_slots, kv_heads, max_len, head_dim]. A sequence owns one slot index, which
+addresses both the target cache and the draft cache (as in SGLang, the two share one slot space),
+so one admission decision covers both. Appending writes rows in place; rolling back a rejected
+draft tail is O(1): the sequence's length simply does not advance past the committed tokens, and
+later writes overwrite the garbage rows. Why slabs and not pages: see docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.errors import RequestError
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        max_len: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (num_layers, num_slots, kv_heads, max_len, head_dim)
+        # torch.empty: pages are only touched (and so only use memory) when a sequence writes them.
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self._zeroed: set[int] = set()
+
+    def claim(self, slot: int) -> None:
+        """Zero a slot the first time it is used. Batched attention reads rows past a sequence's
+        length (masked out); never-written memory may hold NaN bit patterns, and 0 * NaN = NaN."""
+        if slot not in self._zeroed:
+            self.k[:, slot].zero_()
+            self.v[:, slot].zero_()
+            self._zeroed.add(slot)
+
+    @property
+    def bytes_per_token(self) -> int:
+        layers, _, kv_heads, _, head_dim = self.k.shape
+        return 2 * layers * kv_heads * head_dim * self.k.element_size()
+
+    def write(self, layer: int, batch: "Batch", k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [b, n, kv_heads, d] for positions batch.starts[i] .. + n."""
+        n = k.shape[1]
+        if batch.size == 1:
+            slot, start = batch.slots[0], batch.starts[0]
+            self.k[layer, slot, :, start : start + n] = k[0].transpose(0, 1)
+            self.v[layer, slot, :, start : start + n] = v[0].transpose(0, 1)
+            return
+        slot_idx, pos_idx = batch.write_index(n, k.device)
+        heads = torch.arange(k.shape[2], device=k.device).view(1, -1, 1)
+        self.k[layer].index_put_((slot_idx, heads, pos_idx), k.transpose(1, 2))
+        self.v[layer].index_put_((slot_idx, heads, pos_idx), v.transpose(1, 2))
+
+    def read(self, layer: int, batch: "Batch", length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the first `length` positions of every sequence in the batch: [b, kv_heads, length, d]."""
+        if batch.size == 1:
+            slot = batch.slots[0]
+            return self.k[layer, slot : slot + 1, :, :length], self.v[layer, slot : slot + 1, :, :length]
+        index = batch.slot_tensor(self.k.device)
+        return self.k[layer, index, :, :length], self.v[layer, index, :, :length]
+
+
+@dataclass
+class Batch:
+    """Where each row of a forward pass lives in the cache: its slot and the position of its first new token."""
+
+    slots: list[int]
+    starts: list[int]
+
+    def __post_init__(self) -> None:
+        self._slot_tensor: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.slots)
+
+    def slot_tensor(self, device: torch.device) -> torch.Tensor:
+        if self._slot_tensor is None:
+            self._slot_tensor = torch.tensor(self.slots, device=device)
+        return self._slot_tensor
+
+    def write_index(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = self.slot_tensor(device).view(-1, 1, 1)
+        pos = torch.tensor(self.starts, device=device).view(-1, 1, 1) + torch.arange(n, device=device).view(1, 1, n)
+        return slots, pos
+
+    def positions(self, n: int, device: torch.device) -> torch.Tensor:
+        """Absolute positions [b, n] of the n new tokens of each row."""
+        return torch.tensor(self.starts, device=device).view(-1, 1) + torch.arange(n, device=device).view(1, n)
+
+
+class SlotPool:
+    """Hands out slot indices; the memory budget is num_slots x max_len tokens per cache."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RequestError(
+                f"All {self.num_slots} KV cache slots are in use. Send fewer prompts at once or raise "
+                f"max_num_seqs (--max-running-requests)."
+            )
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} freed twice or out of range")
+        self._free.append(slot)

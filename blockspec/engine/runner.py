@@ -1,0 +1,108 @@
+"""Model runner: prefill, one plain decode step, one DFlash draft+verify step, over a batch of sequences.
+
+Everything per step is batched: one draft forward and one target verify for all running rows,
+each row accepting its own number of tokens (ragged acceptance needs no padding: rows keep their
+own cache lengths, and the scratch rows past a row's commit point are overwritten before use).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from blockspec.engine.kv_cache import Batch, SlotPool
+from blockspec.engine.sampler import next_token
+from blockspec.engine.sequence import Sequence
+from blockspec.models.draft import DFlashDraft
+from blockspec.models.target import CausalLM
+from blockspec.spec.accept import greedy_accept, sampled_accept
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        target: CausalLM,
+        draft: DFlashDraft | None,
+        block_size: int,
+        mask_token_id: int,
+        num_slots: int,
+        max_len: int,
+        prefill_chunk: int = 512,
+    ) -> None:
+        self.target, self.draft = target, draft
+        self.block_size, self.mask_token_id = block_size, mask_token_id
+        self.max_len, self.prefill_chunk = max_len, prefill_chunk
+        self.pool = SlotPool(num_slots)
+        self.target_cache = target.new_cache(num_slots, max_len)
+        self.draft_cache = draft.new_cache(num_slots, max_len) if draft is not None else None
+        self.capture = tuple(draft.config.target_layer_ids) if draft is not None else ()
+        self.device = target.embed_tokens.weight.device
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.target_cache.bytes_per_token + (self.draft_cache.bytes_per_token if self.draft_cache else 0)
+
+    def admit(self, seq: Sequence) -> None:
+        seq.slot = self.pool.allocate()
+        for cache in (self.target_cache, self.draft_cache):
+            if cache is not None:
+                cache.claim(seq.slot)
+
+    def release(self, seq: Sequence) -> None:
+        if seq.slot >= 0:
+            self.pool.free(seq.slot)
+            seq.slot = -1
+
+    @torch.inference_mode()
+    def prefill(self, seq: Sequence, use_draft: bool) -> None:
+        """Run the prompt in chunks, inject its draft context, and emit the first token."""
+        ids = torch.tensor([seq.prompt_ids], device=self.device)
+        capture = self.capture if use_draft else ()
+        for start in range(0, ids.shape[1], self.prefill_chunk):
+            chunk = ids[:, start : start + self.prefill_chunk]
+            batch = Batch([seq.slot], [start])
+            hidden, features = self.target(chunk, batch, self.target_cache, capture)
+            if use_draft:
+                self.draft.inject(features, batch, self.draft_cache)
+        seq.num_cached = ids.shape[1]
+        seq.emit([next_token(self.target.logits(hidden[0, -1]), seq.params, seq.generator)])
+
+    @torch.inference_mode()
+    def decode_step(self, seqs: list[Sequence]) -> None:
+        """Plain autoregressive step: one token for every sequence."""
+        batch = Batch([s.slot for s in seqs], [s.num_cached for s in seqs])
+        ids = torch.tensor([[s.pending_token] for s in seqs], device=self.device)
+        hidden, _ = self.target(ids, batch, self.target_cache)
+        logits = self.target.logits(hidden[:, -1])
+        for row, seq in enumerate(seqs):
+            seq.num_cached += 1
+            seq.emit([next_token(logits[row], seq.params, seq.generator)])
+            seq.accept_lengths.append(1)
+
+    def draft_tokens(self, seqs: list[Sequence], block: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The draft's proposals [b, B-1] for blocks [bonus, MASK...]: argmax of the target's LM head."""
+        embed = self.draft.embed_tokens if self.draft.embed_tokens is not None else self.target.embed_tokens
+        hidden = self.draft(embed(block), batch, self.draft_cache)
+        return self.target.lm_head(hidden[:, 1:]).argmax(dim=-1)
+
+    @torch.inference_mode()
+    def dflash_step(self, seqs: list[Sequence]) -> None:
+        """Draft a block per sequence in one pass, verify all blocks in one target pass, commit."""
+        size = self.block_size
+        batch = Batch([s.slot for s in seqs], [s.num_cached for s in seqs])
+        block = torch.full((len(seqs), size), self.mask_token_id, device=self.device)
+        block[:, 0] = torch.tensor([s.pending_token for s in seqs], device=self.device)
+        drafts = self.draft_tokens(seqs, block, batch)
+        candidates = torch.cat([block[:, :1], drafts], dim=1)
+        hidden, features = self.target(candidates, batch, self.target_cache, self.capture)
+        logits = self.target.logits(hidden)
+        # Context K/V for all B rows: rows past a sequence's commit point are overwritten by the next
+        # draft block (which starts right after the commit) before anything attends to them.
+        self.draft.inject(features, batch, self.draft_cache)
+        for row, seq in enumerate(seqs):
+            if seq.params.greedy:
+                accepted, bonus = greedy_accept(drafts[row], logits[row])
+            else:
+                accepted, bonus = sampled_accept(drafts[row], logits[row], seq.params, seq.generator)
+            seq.num_cached += accepted + 1
+            seq.accept_lengths.append(accepted + 1)
+            seq.emit(drafts[row, :accepted].tolist() + [bonus])

@@ -1,0 +1,128 @@
+"""Building blocks shared by the target and the draft: linear layers, RMSNorm, RoPE, attention.
+
+`Linear` is the one linear abstraction: every projection goes through it, and each one is marked
+column- or row-parallel (or replicated), so tensor parallelism and weight-only quantization can
+swap the weight storage and the matmul here without touching model code.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Parallel = Literal["column", "row", "replicated"]
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). `shards` lists the output widths of checkpoint tensors fused into this one
+    (e.g. q, k, v -> qkv); the loader copies each checkpoint tensor into its slice."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int | list[int],
+        bias: bool = False,
+        parallel: Parallel = "replicated",
+    ) -> None:
+        super().__init__()
+        self.shards = list(out_features) if isinstance(out_features, (list, tuple)) else [out_features]
+        self.in_features = in_features
+        self.out_features = sum(self.shards)
+        self.parallel = parallel
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
+
+    def shard_slice(self, index: int) -> slice:
+        start = sum(self.shards[:index])
+        return slice(start, start + self.shards[index])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
+    if not scaling:
+        return inv_freq.float()
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return (inv_freq / factor).float()
+    if kind == "llama3":
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        original = float(scaling.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = original / low, original / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_mid, mid, scaled).float()
+    return inv_freq.float()
+
+
+class Rotary(nn.Module):
+    """Neox-style rotary embedding with a precomputed cos/sin table indexed by absolute position."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: dict | None) -> None:
+        super().__init__()
+        self.inv_freq_args = (head_dim, theta, scaling)
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.reset(max_positions)
+
+    def reset(self, max_positions: int | None = None) -> None:
+        """(Re)build the table; needed after `to_empty`, which leaves buffers uninitialised."""
+        n = max_positions or self.cos.shape[0]
+        inv_freq = rope_inv_freq(*self.inv_freq_args)
+        freqs = torch.outer(torch.arange(n, dtype=torch.float32, device="cpu"), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1).to("cpu" if self.cos.is_meta else self.cos.device)
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def ensure(self, max_positions: int) -> None:
+        """Positions past the checkpoint's max_position_embeddings are still well defined for RoPE."""
+        if self.cos.shape[0] < max_positions:
+            self.reset(max_positions)
+
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for `positions` [..., n] shaped [..., n, 1, head_dim] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(-2).to(dtype), self.sin[positions].unsqueeze(-2).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [..., n, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Grouped-query attention without repeating K/V.
+
+    q: [b, n, heads, d]; k, v: [b, kv_heads, L, d]; mask: bool [b, n, L] (True = visible) or None.
+    The query heads of one KV group are folded into the sequence axis so SDPA sees kv_heads heads.
+    Returns [b, n, heads * d].
+    """
+    b, n, heads, d = q.shape
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
+    q = q.view(b, n, kv_heads, groups, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, groups * n, d)
+    if mask is not None:
+        mask = mask.unsqueeze(1).expand(b, groups, n, mask.shape[-1]).reshape(b, 1, groups * n, mask.shape[-1])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.view(b, kv_heads, groups, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, heads * d)

@@ -1,0 +1,41 @@
+"""Per-request sampling parameters, validated when constructed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from blockspec.errors import RequestError
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = no top-k
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)  # in addition to the model's end tokens
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens={self.max_tokens!r} must be an integer >= 1.")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not (
+            0.0 <= self.temperature < float("inf")
+        ):
+            raise RequestError(f"temperature={self.temperature!r} must be a number >= 0 (0 means greedy).")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p={self.top_p!r} must be in (0, 1].")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise RequestError(f"top_k={self.top_k!r} must be an integer >= 1, or 0 / -1 to disable top-k.")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise RequestError(f"seed={self.seed!r} must be an integer or None.")
+        bad = [t for t in self.stop_token_ids if isinstance(t, bool) or not isinstance(t, int) or t < 0]
+        if bad:
+            raise RequestError(f"stop_token_ids contains invalid ids {bad!r}; they must be non-negative integers.")
+        self.temperature = float(self.temperature)
+        self.top_p = float(self.top_p)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1

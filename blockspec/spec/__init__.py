@@ -1,0 +1,1 @@
+"""DFlash speculative-decoding pieces: draft configuration, drafting and verification."""

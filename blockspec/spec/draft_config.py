@@ -1,0 +1,407 @@
+"""DFlash draft configuration: resolved and validated in one place, before any weight is touched.
+
+`resolve_draft_config` turns a z-lab style draft `config.json` (plus CLI overrides, the runtime
+target's config and its tokenizer lookup) into a frozen `DraftConfig`; `check_draft_tensors` then
+checks the checkpoint's safetensors header against it. Every failure is a `DraftConfigError` that
+names the field, the offending value, the limit and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+
+from blockspec.config import ModelConfig
+from blockspec.errors import BlockspecError, DraftConfigError
+
+_log = logging.getLogger(__name__)
+
+ARCHITECTURE = "DFlashDraftModel"
+DEFAULT_BLOCK_SIZE = 16
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ROPE_TYPES = ("default", "linear", "llama3")
+# Features of other DFlash variants (DFlash2, Domino, MiMo) that blockspec does not implement.
+_UNSUPPORTED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                "projector_type", "attention_sink_bias", "attention_value_scale", "attention_bias")
+_FIX = "Fix the draft's config.json, or use the draft checkpoint trained for this target."
+Warn = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """A fully resolved, validated DFlash draft configuration (see INTERFACE.md, checkpoint format)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    layer_types: tuple[str, ...]  # one per draft layer
+    sliding_window: int | None
+    num_target_layers: int  # the runtime target's layer count
+    target_layer_ids: tuple[int, ...]  # feature concat order for fc; HF hidden_states[id + 1]
+    block_size: int  # effective block size (CLI override applied)
+    mask_token: str | None
+    mask_token_id: int
+    has_embed_tokens: bool
+    vocab_size: int | None = None  # as declared by the draft config; bounds mask_token_id if it embeds
+
+    def to_json_dict(self) -> dict:
+        """The z-lab format config.json content for this draft."""
+        out: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": "qwen3", "hidden_act": "silu",
+                               "attention_bias": False}
+        out.update({k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()})
+        dflash = {k: out.pop(k) for k in ("mask_token_id", "target_layer_ids", "mask_token")}
+        out["dflash_config"] = {k: v for k, v in dflash.items() if v is not None}
+        for key in ("vocab_size", "has_embed_tokens"):  # written only when set
+            if not out[key]:
+                del out[key]
+        return out
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(value: object, name: str, where: str, minimum: int = 1, fix: str = _FIX) -> int:
+    if not _is_int(value):
+        raise DraftConfigError(f"DFLASH {where}: invalid {name}={value!r} (a {type(value).__name__}); "
+                               f"it must be an integer >= {minimum}. {fix}")
+    if value < minimum:  # type: ignore[operator]
+        kind = "positive" if minimum == 1 else f">= {minimum}"
+        raise DraftConfigError(f"DFLASH {where}: {name}={value} must be {kind} (>= {minimum}). {fix}")
+    return value  # type: ignore[return-value]
+
+
+def _positive_float(value: object, name: str, where: str, default: float) -> float:
+    if value is None:
+        return default
+    try:
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an int too big for a float
+        number = math.inf
+    if not math.isfinite(number) or number <= 0:
+        raise DraftConfigError(f"DFLASH {where}: invalid {name}={value!r}; it must be a finite number > 0. {_FIX}")
+    return number
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """z-lab's default pick: 1 draft layer -> (L // 2,); n > 1 -> n ids spread over 1..L-3, rounded."""
+    fix = "Set dflash_config.target_layer_ids explicitly."
+    big_l = _int(num_target_layers, "num_target_layers", "target layer selection", fix=fix)
+    n = _int(num_draft_layers, "num_draft_layers", "target layer selection", fix=fix)
+    if n == 1:
+        return (big_l // 2,)
+    if big_l < 4:
+        raise DraftConfigError(
+            f"DFLASH cannot pick default target_layer_ids for num_target_layers={big_l} and "
+            f"{n} draft layers: the formula spreads ids over layers 1..L-3 and needs num_target_layers >= 4. {fix}")
+    span = big_l - 4  # end (L - 3) minus start (1)
+    return tuple(int(round(1 + i * span / (n - 1))) for i in range(n))
+
+
+def _layer_ids(value: object, source: str, where: str, big_l: int) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise DraftConfigError(f"DFLASH {source}: {where}={value!r} must be a non-empty list of target layer ids "
+                               f"(ints in [0, {big_l})). {_FIX}")
+    for i, v in enumerate(value):
+        if not _is_int(v) or not 0 <= v < big_l:
+            raise DraftConfigError(
+                f"DFLASH {source}: {where}[{i}]={v!r} is not a layer of the runtime target: ids must be ints "
+                f"in [0, {big_l}) (the target has num_hidden_layers={big_l}). The draft was probably trained for "
+                f"another target; use the draft made for this target, or fix {where}.")
+    dups = sorted({v for v in value if value.count(v) > 1})
+    if dups:
+        raise DraftConfigError(f"DFLASH {source}: {where}={list(value)} repeats layer ids {dups}; each target "
+                               f"layer may be tapped once. {_FIX}")
+    return tuple(value)
+
+
+def _layer_types(raw: dict, n: int, where: str) -> tuple[tuple[str, ...], int | None]:
+    types, window = raw.get("layer_types"), raw.get("sliding_window")
+    if window is not None:
+        window = _int(window, "sliding_window", where)
+    if types is None:
+        return ("full_attention",) * n, window
+    if isinstance(types, str) or not isinstance(types, (list, tuple)):
+        raise DraftConfigError(f"DFLASH {where}: layer_types={types!r} must be a list of attention types "
+                               f"{list(LAYER_TYPES)}, one per draft layer. {_FIX}")
+    if len(types) != n:
+        raise DraftConfigError(f"DFLASH {where}: layer_types has {len(types)} entries but the draft has "
+                               f"num_hidden_layers={n}; it needs one entry per draft layer. {_FIX}")
+    for i, t in enumerate(types):
+        if t not in LAYER_TYPES:
+            raise DraftConfigError(f"DFLASH {where}: unsupported layer_types[{i}]={t!r}; "
+                                   f"supported: {list(LAYER_TYPES)}. {_FIX}")
+    if "sliding_attention" in types and window is None:
+        raise DraftConfigError(f"DFLASH {where}: layer_types has sliding_attention layers but sliding_window is "
+                               f"not set; set sliding_window to the positive window the draft was trained with.")
+    return tuple(types), window
+
+
+def _vocab_note(has_embed: bool, bound: int) -> str:
+    if has_embed:
+        return f"the draft's own embedding (embed_tokens.weight, vocab_size={bound})"
+    return f"the target embedding (target vocab_size={bound})"
+
+
+def _resolve_mask(raw: dict, dcfg: dict, source: str, has_embed: bool, bound: int | None,
+                  cli_token: str | None, cli_id: int | None,
+                  token_to_id: Callable[[str], int | None] | None, warn: Warn) -> tuple[str | None, int]:
+    cfg_token, token_where = _get(raw, dcfg, "mask_token")
+    token, token_where = (cli_token, "--speculative-dflash-mask-token") if cli_token is not None else (
+        cfg_token, token_where)
+    if token is not None and (not isinstance(token, str) or not token):
+        raise DraftConfigError(f"DFLASH mask_token must be a non-empty string, got {token_where}={token!r}. "
+                               f"Give the token's text (e.g. '<|MASK|>'); to give an id use --mask-token-id.")
+    cfg_id, id_where = _get(raw, dcfg, "mask_token_id")
+    if cfg_id is not None:
+        _int(cfg_id, id_where, source, minimum=0)
+    if cli_id is not None:
+        _int(cli_id, "--mask-token-id", "command line", minimum=0, fix="Pass an existing token id.")
+        if cfg_id is not None and cfg_id != cli_id:
+            warn(f"DFLASH --mask-token-id={cli_id} overrides the draft's {id_where}={cfg_id} ({source}); "
+                 f"the draft was trained with {cfg_id}.")
+    explicit = cli_id if cli_id is not None else cfg_id
+    where = "--mask-token-id" if cli_id is not None else id_where
+    vocab_id = token_to_id(token) if (token is not None and token_to_id is not None) else None
+    vocab_id = vocab_id if _is_int(vocab_id) and vocab_id >= 0 else None  # type: ignore[operator]
+    if explicit is not None and vocab_id is not None and vocab_id != explicit:
+        raise DraftConfigError(
+            f"DFLASH config mismatch: {where}={explicit} conflicts with the tokenizer, which maps "
+            f"mask_token={token!r} to id {vocab_id}. Make them agree: drop one of them, or fix the draft config.")
+    if explicit is None and vocab_id is None:
+        table = "draft's" if has_embed else "target"
+        why = ("no tokenizer is loaded to look it up" if token is not None and token_to_id is None
+               else "it is not in the target tokenizer's vocabulary" if token is not None
+               else "the draft config sets neither dflash_config.mask_token_id nor dflash_config.mask_token")
+        raise DraftConfigError(
+            f"DFLASH cannot resolve a mask token id for mask_token={token!r} ({source}): {why}. Adding the token "
+            f"would need vocab expansion, which blockspec refuses: the {table} embedding has no trained row for "
+            f"a new token. Pass --mask-token-id with an existing reserved/unused token id, or use the id the draft "
+            f"was trained with (its dflash_config.mask_token_id).")
+    mask_id = explicit if explicit is not None else vocab_id
+    if bound is not None and mask_id >= bound:  # type: ignore[operator]
+        label = f"{where if explicit is not None else 'mask_token_id'}={mask_id}"
+        if token is not None:
+            label += f" (mask_token={token!r}{', from the tokenizer' if explicit is None else ''})"
+        raise DraftConfigError(
+            f"DFLASH {source}: {label} is outside "
+            f"{_vocab_note(has_embed, bound)}; ids must be < {bound}. A new token would need vocab expansion, "
+            f"which blockspec refuses. Use a draft and target from the same release, or pass --mask-token-id "
+            f"with a reserved/unused token id < {bound}.")
+    return token, mask_id  # type: ignore[return-value]
+
+
+def _get(raw: dict, dcfg: dict, key: str) -> tuple[Any, str]:
+    """`dflash_config.key` first, then top-level `key`; null counts as absent."""
+    if dcfg.get(key) is not None:
+        return dcfg[key], f"dflash_config.{key}"
+    return raw.get(key), key
+
+
+def _block_size(raw: dict, dcfg: dict, source: str, cli: int | None, warn: Warn) -> int:
+    trained, where = _get(raw, dcfg, "block_size")
+    if trained is not None:
+        _int(trained, where, source)
+    if cli is not None:
+        _int(cli, "--block-size", "command line", fix="Pass an integer such as --block-size 16.")
+    size = cli if cli is not None else trained
+    if size is None:
+        warn(f"DFLASH {source} declares no block_size and --block-size was not given; using {DEFAULT_BLOCK_SIZE}.")
+        size = DEFAULT_BLOCK_SIZE
+    if size < 2:
+        flag = "--block-size" if cli is not None else where
+        raise DraftConfigError(
+            f"DFLASH {flag}={size} is too small: a DFlash block needs >= 2 tokens (the bonus plus at least one "
+            f"drafted token); block size 1 is just plain decoding. Use --speculative-algorithm NONE for plain "
+            f"decoding, or --block-size >= 2.")
+    if cli is not None and trained is not None and cli != trained:
+        if cli > trained:
+            warn(f"DFLASH --block-size={cli} is LARGER than the draft's trained {where}={trained} ({source}): "
+                 f"positions past {trained} were never trained, so acceptance will drop. Prefer <= {trained}.")
+        else:
+            warn(f"DFLASH --block-size={cli} overrides the draft's trained {where}={trained} ({source}); "
+                 f"a draft trained on larger blocks runs on smaller ones.")
+    return size
+
+
+def resolve_draft_config(raw: dict, *, target: ModelConfig, source: str = "config.json",
+                         cli_block_size: int | None = None, cli_mask_token: str | None = None,
+                         cli_mask_token_id: int | None = None,
+                         token_to_id: Callable[[str], int | None] | None = None,
+                         warn: Warn = _log.warning) -> DraftConfig:
+    """Resolve and validate a draft config.json against the runtime target (see module docstring)."""
+    if not isinstance(raw, dict):
+        raise DraftConfigError(f"DFLASH {source}: expected a JSON object, got {type(raw).__name__}. {_FIX}")
+    dcfg = raw.get("dflash_config")
+    dcfg = {} if dcfg is None else dcfg
+    if not isinstance(dcfg, dict):
+        raise DraftConfigError(f"DFLASH {source}: dflash_config={dcfg!r} must be an object. {_FIX}")
+    archs = raw.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or ARCHITECTURE not in archs):
+        raise DraftConfigError(
+            f"DFLASH {source}: architectures={archs!r} is not a DFlash draft (expected [{ARCHITECTURE!r}]). "
+            f"Point --draft-model-path at a DFlash draft checkpoint, not at a regular model.")
+    for key in _UNSUPPORTED:
+        value, where = _get(raw, dcfg, key)
+        if value not in (None, 0, False):
+            raise DraftConfigError(f"DFLASH {source}: {where}={value!r} selects a feature of another DFlash variant "
+                                   f"that blockspec does not implement; only plain DFlashDraftModel drafts run.")
+    if raw.get("hidden_act") not in (None, "silu"):
+        raise DraftConfigError(f"DFLASH {source}: hidden_act={raw['hidden_act']!r} is not supported; "
+                               f"DFlash drafts use silu (SwiGLU). {_FIX}")
+    layers = _int(raw.get("num_hidden_layers"), "num_hidden_layers", source)
+    hidden = _int(raw.get("hidden_size"), "hidden_size", source)
+    if hidden != target.hidden_size:
+        raise DraftConfigError(
+            f"DFLASH {source}: draft hidden_size={hidden} differs from the target's hidden_size="
+            f"{target.hidden_size}; a draft works only with the target family it was trained for. "
+            f"Use the draft made for this target.")
+    heads = _int(raw.get("num_attention_heads"), "num_attention_heads", source)
+    kv = raw.get("num_key_value_heads")
+    kv = heads if kv is None else _int(kv, "num_key_value_heads", source)
+    if heads % kv:
+        raise DraftConfigError(f"DFLASH {source}: num_attention_heads={heads} is not a multiple of "
+                               f"num_key_value_heads={kv}. {_FIX}")
+    head_dim = raw.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise DraftConfigError(f"DFLASH {source}: hidden_size={hidden} is not divisible by "
+                                   f"num_attention_heads={heads}; set head_dim explicitly. {_FIX}")
+        head_dim = hidden // heads
+    head_dim = _int(head_dim, "head_dim", source)
+    inter = _int(raw.get("intermediate_size"), "intermediate_size", source)
+    max_pos = raw.get("max_position_embeddings")
+    max_pos = 32768 if max_pos is None else _int(max_pos, "max_position_embeddings", source)
+    rope_scaling = raw.get("rope_scaling")
+    if rope_scaling is not None and (not isinstance(rope_scaling, dict)
+                                     or rope_scaling.get("rope_type", rope_scaling.get("type")) not in ROPE_TYPES):
+        raise DraftConfigError(f"DFLASH {source}: rope_scaling={rope_scaling!r} is not supported "
+                               f"(rope_type must be one of {list(ROPE_TYPES)}, or rope_scaling null). {_FIX}")
+    layer_types, window = _layer_types(raw, layers, source)
+
+    big_l = target.num_hidden_layers
+    declared_l, where = _get(raw, dcfg, "num_target_layers")
+    if declared_l is not None and _int(declared_l, where, source) != big_l:
+        warn(f"DFLASH {source}: the draft was trained for a target with {where}={declared_l} layers, but the "
+             f"runtime target has num_hidden_layers={big_l}; using {big_l}.")
+    ids, where = _get(raw, dcfg, "target_layer_ids")
+    layer_ids = (default_target_layer_ids(big_l, layers) if ids is None
+                 else _layer_ids(ids, source, where, big_l))
+
+    has_embed, where = _get(raw, dcfg, "has_embed_tokens")
+    if has_embed is not None and not isinstance(has_embed, bool):
+        raise DraftConfigError(f"DFLASH {source}: {where}={has_embed!r} must be true or false. {_FIX}")
+    has_embed = bool(has_embed)
+    vocab = raw.get("vocab_size")
+    vocab = None if vocab is None else _int(vocab, "vocab_size", source)
+    bound = (vocab if has_embed else target.vocab_size)  # None: checked in check_draft_tensors
+    mask_token, mask_id = _resolve_mask(raw, dcfg, source, has_embed, bound, cli_mask_token,
+                                        cli_mask_token_id, token_to_id, warn)
+    return DraftConfig(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+        head_dim=head_dim, intermediate_size=inter,
+        rms_norm_eps=_positive_float(raw.get("rms_norm_eps"), "rms_norm_eps", source, 1e-6),
+        rope_theta=_positive_float(raw.get("rope_theta"), "rope_theta", source, 1000000.0),
+        rope_scaling=rope_scaling, max_position_embeddings=max_pos, layer_types=layer_types,
+        sliding_window=window, num_target_layers=big_l, target_layer_ids=layer_ids,
+        block_size=_block_size(raw, dcfg, source, cli_block_size, warn), mask_token=mask_token,
+        mask_token_id=mask_id, has_embed_tokens=has_embed, vocab_size=vocab)
+
+
+def draft_tensor_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a z-lab draft checkpoint must hold, with its shape (-1: any size)."""
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    out: dict[str, tuple[int, ...]] = {}
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        out.update({
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+    out.update({"norm.weight": (h,), "fc.weight": (h, len(cfg.target_layer_ids) * h), "hidden_norm.weight": (h,)})
+    if cfg.has_embed_tokens:
+        out["embed_tokens.weight"] = (cfg.vocab_size or -1, h)
+    return out
+
+
+def _fits(want: tuple[int, ...], got: tuple[int, ...]) -> bool:
+    return len(want) == len(got) and all(w in (-1, g) for w, g in zip(want, got))
+
+
+def check_draft_tensors(cfg: DraftConfig, shapes: dict[str, Any], source: str, *,
+                        warn: Warn = _log.warning) -> None:
+    """Check a safetensors header ({name: shape}) against `cfg`, before any tensor data is read."""
+    got = {name: tuple(int(d) for d in shape) for name, shape in shapes.items()}
+    want = draft_tensor_shapes(cfg)
+    h, k = cfg.hidden_size, len(cfg.target_layer_ids)
+    fc = got.get("fc.weight")
+    if fc is not None and len(fc) == 2 and fc[0] == h and fc[1] != k * h:
+        trained = f" ({fc[1] // h} target layers)" if fc[1] % h == 0 else ""
+        raise DraftConfigError(
+            f"DFLASH {source}: fc.weight has shape {fc}, but K=len(target_layer_ids)={k} "
+            f"({list(cfg.target_layer_ids)}) with hidden size H={h} needs width K*H={k * h}; the actual width is "
+            f"{fc[1]}{trained}. The checkpoint was trained for a different number of target layers: set "
+            f"dflash_config.target_layer_ids to the ids it was trained with, or use the matching config.json.")
+    if cfg.has_embed_tokens and "embed_tokens.weight" not in got:
+        raise DraftConfigError(
+            f"DFLASH {source}: the draft config declares has_embed_tokens=true but the checkpoint has no "
+            f"embed_tokens.weight. Use the complete checkpoint (re-export it with its embedding), or drop "
+            f"has_embed_tokens if the draft was trained on the target's embedding.")
+    missing = [n for n in want if n not in got]
+    if missing:
+        hint = (" The checkpoint names tensors with a 'model.' prefix; strip it."
+                if f"model.{missing[0]}" in got else "")
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise DraftConfigError(f"DFLASH {source}: the draft checkpoint is missing {len(missing)} required "
+                               f"tensor(s): {', '.join(missing[:5])}{more}.{hint} Use a complete z-lab format "
+                               f"draft checkpoint, or check that config.json matches it.")
+    bad = [f"{n} is {got[n]}, expected {want[n]}" for n in want if not _fits(want[n], got[n])]
+    if bad:
+        raise DraftConfigError(f"DFLASH {source}: tensor shapes do not match config.json: {'; '.join(bad[:5])}"
+                               f"{' ...' if len(bad) > 5 else ''}. config.json and the weights come from "
+                               f"different drafts; use a matching pair.")
+    if cfg.has_embed_tokens and cfg.mask_token_id >= got["embed_tokens.weight"][0]:
+        rows = got["embed_tokens.weight"][0]
+        raise DraftConfigError(
+            f"DFLASH {source}: mask_token_id={cfg.mask_token_id} is outside {_vocab_note(True, rows)}; ids must "
+            f"be < {rows}. Pass --mask-token-id with the id the draft was trained with.")
+    extra = sorted(set(got) - set(want))
+    if extra:
+        note = (" embed_tokens.weight is ignored: the config does not set has_embed_tokens, so the target's "
+                "embedding is used." if "embed_tokens.weight" in extra else "")
+        warn(f"DFLASH {source}: ignoring {len(extra)} unexpected tensor(s): {', '.join(extra[:5])}"
+             f"{' ...' if len(extra) > 5 else ''}.{note}")
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """'cpu', 'cuda', 'cuda:N' or 'auto'/None (cuda when visible, else cpu)."""
+    accepted = "'cpu', 'cuda', 'cuda:N' or 'auto'"
+    key = "auto" if name is None else (name.strip().lower() if isinstance(name, str) else None)
+    if key == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if key == "cpu":
+        return torch.device("cpu")
+    if key is not None and (key == "cuda" or (key.startswith("cuda:") and key[5:].isdigit())):
+        if not torch.cuda.is_available():
+            raise BlockspecError(f"--device {name!r}: no CUDA device is visible to torch (torch {torch.__version__}, "
+                                 f"CUDA build {torch.version.cuda}). Use --device cpu, which blockspec supports.")
+        if key != "cuda" and int(key[5:]) >= torch.cuda.device_count():
+            raise BlockspecError(f"--device {name!r}: only {torch.cuda.device_count()} CUDA device(s) are visible "
+                                 f"(cuda:0..cuda:{torch.cuda.device_count() - 1}). Pick one of those.")
+        return torch.device(key)
+    raise BlockspecError(f"Unsupported --device {name!r}: blockspec accepts {accepted}.")

@@ -1,0 +1,5 @@
+"""Placeholder until the train subcommand lands."""
+
+
+def register(sub) -> None:
+    return None

@@ -1,0 +1,62 @@
+"""Tiny random checkpoints written by transformers, shared by the tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def tiny_hf_config(family: str, **overrides):
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2,
+    )
+    common.update(overrides)
+    if family == "llama":
+        return LlamaConfig(**common)
+    return Qwen3Config(head_dim=16, **common)
+
+
+def write_tiny_target(folder: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(family, **overrides), dtype=torch.float32)
+    with torch.no_grad():  # larger-than-default weights give peaked, tie-free distributions
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    return folder
+
+
+def tiny_draft_raw(target_cfg, num_layers: int = 2, block_size: int = 4, mask_token_id: int = 5, **overrides) -> dict:
+    raw = {
+        "architectures": ["DFlashDraftModel"], "hidden_size": target_cfg.hidden_size, "num_hidden_layers": num_layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
+        "num_target_layers": target_cfg.num_hidden_layers, "block_size": block_size,
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": [0, 2]},
+    }
+    raw.update(overrides)
+    return raw
+
+
+def write_tiny_draft(folder: Path, target_cfg, seed: int = 0, scale: float = 0.2, **kwargs) -> Path:
+    """A random DFlash draft in z-lab format for the given target config."""
+    from blockspec.models.draft import DFlashDraft
+    from blockspec.models.loader import save_draft
+    from blockspec.spec.draft_config import resolve_draft_config
+
+    cfg = resolve_draft_config(tiny_draft_raw(target_cfg, **kwargs), target=target_cfg)
+    torch.manual_seed(seed)
+    draft = DFlashDraft(cfg)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm" in name else torch.randn_like(p) * scale)
+    save_draft(draft, folder)
+    return folder
