@@ -100,8 +100,8 @@ class LLM:
         if algorithm == "NONE" and draft_model_path is not None:
             log.warning("speculative_algorithm=NONE: ignoring draft_model_path=%s", draft_model_path)
             draft_model_path = None
-        self.tokenizer = Tokenizer.from_folder(self.model_path)
         self.target = load_target(self.model_path, self.dtype, self.device)
+        self.tokenizer = Tokenizer.from_folder(self.model_path)
         self.draft = None
         if draft_model_path is not None:
             self.draft = load_draft(
@@ -126,6 +126,19 @@ class LLM:
             num_slots=max_num_seqs, max_len=slab_len,
         )
         self.stop_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
+
+    def set_block_size(self, block_size: int) -> None:
+        """Run the loaded draft at another block size (a draft trained large runs smaller; the KV slabs
+        were sized for the block size the LLM was built with, which bounds it)."""
+        if self.draft is None:
+            raise DraftConfigError("set_block_size needs a DFlash draft; this LLM decodes without one.")
+        limit = self.runner.max_len - self.max_model_len
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 2 <= block_size <= limit:
+            raise DraftConfigError(
+                f"DFLASH block_size={block_size!r} must be an integer in [2, {limit}] for this LLM (its KV slabs "
+                f"were sized for block_size={limit}); build the LLM with the largest block size you will use."
+            )
+        self.block_size = self.runner.block_size = block_size
 
     def _sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

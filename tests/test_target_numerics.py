@@ -33,7 +33,7 @@ def test_logits_and_hidden_match_transformers(tmp_path, family, overrides):
     ids = torch.randint(0, 97, (1, 150), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         out = ref(ids, output_hidden_states=True)
-        capture = (0, 1, 2)
+        capture = (2, 0, 3)  # unsorted, and the last layer (taken after the final norm)
         for chunks in [(None,), (40, 41, 100)]:  # one pass, and chunked prefill + single-token steps
             logits, feats = run_ours(ours, ids, capture, chunks)
             assert (logits - out.logits).abs().max() < 1e-4

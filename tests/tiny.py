@@ -60,3 +60,30 @@ def write_tiny_draft(folder: Path, target_cfg, seed: int = 0, scale: float = 0.2
             p.copy_(torch.ones_like(p) if "norm" in name else torch.randn_like(p) * scale)
     save_draft(draft, folder)
     return folder
+
+
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TINY_SPECIALS = ["<unk>", "<s>", "<|im_end|>", "<|im_start|>", "<|endoftext|>", "<mask>"]  # ids 0..5
+TINY_CHARS = " \n" + "abcdefghijklmnopqrstuvwxyz" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ" + "0123456789" + ".,!?;:'\"()[]{}-+=*/%&#@$<>_"
+
+
+def write_tiny_tokenizer(folder: Path) -> Path:
+    """A 97-token character-level tokenizer (ids 0..5 special, 6..96 one character each; eos = <|im_end|> = 2,
+    the tiny target's eos; mask = 5, the tiny draft's) with a ChatML template. Decoding concatenates."""
+    import json
+
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIALS + list(TINY_CHARS))}
+    assert len(vocab) == 97
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TINY_SPECIALS])
+    backend.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>", "chat_template": TINY_CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder

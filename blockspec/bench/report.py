@@ -1,0 +1,270 @@
+"""Turning timed samples into the bench report: JSON fields, the printed summary table, the plot.
+
+Statistics (paired: a prompt turn counts only when every method produced >= 2 tokens on it):
+- tokens_per_s = 1 / mean TPOT (as the DFlash paper reports it); tokens_per_s_median = 1 / median TPOT.
+- speedup = mean baseline TPOT / mean DFlash TPOT (the paper's); speedup_median = median over prompt
+  turns of the per-turn ratio.
+- mean_accept_length (tau) = accepted tokens per verify step, bonus included, pooled over all steps;
+  mean_accept_length_prompt_avg = the mean of each turn's own tau (z-lab's benchmark averages this way).
+- accept_length_histogram[k-1] = fraction of verify steps that committed k tokens, k = 1..block_size.
+- outputs_match (greedy only) = fraction of turns whose DFlash tokens equal our plain decoding's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import sys
+from typing import TextIO
+
+import torch
+
+from blockspec.bench.runner import Sample, first_difference
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
+    info = {
+        "cpu": cpu_model(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+        "python": platform.python_version(), "platform": platform.platform(),
+    }
+    if hasattr(os, "getloadavg"):  # other work on the machine skews timings: record how busy it was
+        info["load_average_1m"] = round(os.getloadavg()[0], 2)
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def now_utc() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _paired(samples: list[Sample], names: list[str]) -> list[Sample]:
+    return [s for s in samples if all(s.runs[n].tpot_s is not None for n in names)]
+
+
+def method_summary(samples: list[Sample], name: str) -> dict:
+    tpots = [s.runs[name].tpot_s for s in samples]
+    if not tpots:
+        return {"tokens_per_s": None, "tokens_per_s_median": None, "tpot_ms_mean": None, "tpot_ms_median": None}
+    mean, median = statistics.fmean(tpots), statistics.median(tpots)
+    return {
+        "tokens_per_s": round(1 / mean, 3), "tokens_per_s_median": round(1 / median, 3),
+        "tpot_ms_mean": round(mean * 1e3, 3), "tpot_ms_median": round(median * 1e3, 3),
+        "ttft_s_mean": round(statistics.fmean(s.runs[name].time_to_first_token_s for s in samples), 4),
+        "num_output_tokens": sum(len(s.runs[name].token_ids) for s in samples),
+    }
+
+
+def speedups(samples: list[Sample], baseline: str, dflash: str) -> tuple[float | None, float | None]:
+    if not samples:
+        return None, None
+    base = [s.runs[baseline].tpot_s for s in samples]
+    spec = [s.runs[dflash].tpot_s for s in samples]
+    mean = statistics.fmean(base) / statistics.fmean(spec)
+    return round(mean, 4), round(statistics.median(b / d for b, d in zip(base, spec)), 4)
+
+
+def accept_stats(samples: list[Sample], dflash: str, block_size: int) -> dict:
+    steps = [a for s in samples for a in s.runs[dflash].accept_lengths]
+    per_turn = [sum(a) / len(a) for s in samples if (a := s.runs[dflash].accept_lengths)]
+    counts = [0] * block_size
+    for a in steps:
+        counts[min(max(a, 1), block_size) - 1] += 1
+    return {
+        "mean_accept_length": round(sum(steps) / len(steps), 4) if steps else None,
+        "mean_accept_length_prompt_avg": round(statistics.fmean(per_turn), 4) if per_turn else None,
+        "accept_length_histogram": [round(c / len(steps), 5) for c in counts] if steps else [0.0] * block_size,
+        "num_verify_steps": len(steps),
+    }
+
+
+def match_stats(samples: list[Sample], dflash: str, reference: str, greedy: bool) -> dict:
+    """Exact-equality check of DFlash against a reference run (greedy only)."""
+    if not greedy or not samples:
+        return {"fraction": None, "mismatches": []}
+    mismatches = []
+    for s in samples:
+        a, b = s.runs[dflash].token_ids, s.runs[reference].token_ids
+        if a != b:
+            pos, x, y = first_difference(a, b)
+            mismatches.append({"index": s.index, "source_id": s.source_id, "turn": s.turn + 1, "position": pos,
+                               "dflash_token": x, f"{reference}_token": y})
+    return {"fraction": round(1 - len(mismatches) / len(samples), 5), "mismatches": mismatches}
+
+
+def dflash_entry(samples: list[Sample], dflash: str | None, block_size: int, baseline: str | None,
+                 names: list[str], greedy: bool) -> dict:
+    """The report fields for one DFlash configuration (the whole report, or one row of a sweep)."""
+    paired = _paired(samples, names)
+    entry: dict = {"method": dflash, "block_size": block_size}
+    if dflash is None:
+        entry.update(mean_accept_length=None, mean_accept_length_prompt_avg=None, accept_length_histogram=None,
+                     dflash_tokens_per_s=None, speedup=None, speedup_median=None, outputs_match=None)
+    else:
+        entry.update(accept_stats(samples, dflash, block_size))
+        entry["dflash_tokens_per_s"] = method_summary(paired, dflash)["tokens_per_s"]
+        entry["dflash_tokens_per_s_median"] = method_summary(paired, dflash)["tokens_per_s_median"]
+        for ref in ("ar", "hf"):
+            mean, median = speedups(paired, ref, dflash) if ref in names else (None, None)
+            entry[f"speedup_vs_{ref}"], entry[f"speedup_vs_{ref}_median"] = mean, median
+        entry["speedup"] = entry.get(f"speedup_vs_{baseline}")
+        entry["speedup_median"] = entry.get(f"speedup_vs_{baseline}_median")
+        ar = match_stats(samples, dflash, "ar", greedy) if "ar" in names else {"fraction": None, "mismatches": []}
+        entry["outputs_match"], entry["mismatches"] = ar["fraction"], ar["mismatches"]
+        if "hf" in names:
+            entry["hf_outputs_match"] = match_stats(samples, dflash, "hf", greedy)["fraction"]
+    entry["per_prompt"] = [_prompt_row(s, dflash, baseline, names) for s in samples]
+    return entry
+
+
+def _ms(value: float | None) -> float | None:
+    return round(value * 1e3, 3) if value is not None else None
+
+
+def _prompt_row(s: Sample, dflash: str | None, baseline: str | None, names: list[str]) -> dict:
+    row: dict = {"index": s.index, "source_id": s.source_id, "turn": s.turn + 1,
+                 "num_prompt_tokens": s.num_prompt_tokens}
+    for name in names:
+        key = "dflash" if name == dflash else name
+        if name.startswith("dflash") and name != dflash:
+            continue
+        row[f"{key}_num_output_tokens"] = len(s.runs[name].token_ids)
+        row[f"{key}_tpot_ms"] = _ms(s.runs[name].tpot_s)
+    if dflash is not None:
+        acc = s.runs[dflash].accept_lengths
+        row["mean_accept_length"] = round(sum(acc) / len(acc), 4) if acc else None
+        row["accept_lengths"] = acc
+        base, spec = (s.runs[baseline].tpot_s if baseline else None), s.runs[dflash].tpot_s
+        row["speedup"] = round(base / spec, 4) if base and spec else None
+        if "ar" in names:
+            row["outputs_match"] = s.runs[dflash].token_ids == s.runs["ar"].token_ids
+    return row
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(report: dict, out: TextIO | None = None) -> None:
+    out = out or sys.stdout
+    methods = report["methods"]
+    base = report["baseline"]
+    print(f"\nblockspec bench: {report['dataset']}, {report['num_prompts']} prompts ({report['num_samples']} timed "
+          f"turns), max_new_tokens={report['max_new_tokens']}, temperature={report['temperature']}", file=out)
+    header = f"{'method':<14}{'tok/s':>9}{'tok/s med':>11}{'TPOT ms':>10}{'TPOT med':>10}{'speedup':>9}{'spd med':>9}{'tau':>7}"
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    rows = report.get("sweep") or [report]
+    for name, summary in methods.items():
+        if name.startswith("dflash"):
+            continue
+        spd = "1.00x" if name == base else "-"
+        print(f"{name + (' (baseline)' if name == base else ''):<14}{_fmt(summary['tokens_per_s'], '.2f'):>9}"
+              f"{_fmt(summary['tokens_per_s_median'], '.2f'):>11}{_fmt(summary['tpot_ms_mean'], '.1f'):>10}"
+              f"{_fmt(summary['tpot_ms_median'], '.1f'):>10}{spd:>9}{'-':>9}{'-':>7}", file=out)
+    for row in rows:
+        if row.get("dflash_tokens_per_s") is None and row.get("mean_accept_length") is None:
+            continue
+        s = methods[row["method"]]
+        print(f"{'dflash B=' + str(row['block_size']):<14}{_fmt(s['tokens_per_s'], '.2f'):>9}"
+              f"{_fmt(s['tokens_per_s_median'], '.2f'):>11}{_fmt(s['tpot_ms_mean'], '.1f'):>10}"
+              f"{_fmt(s['tpot_ms_median'], '.1f'):>10}{_fmt(row['speedup'], '.2f') + 'x':>9}"
+              f"{_fmt(row['speedup_median'], '.2f') + 'x':>9}{_fmt(row['mean_accept_length'], '.2f'):>7}", file=out)
+        if row.get("speedup_vs_hf") is not None and base != "hf":
+            print(f"{'':<14}vs transformers generate: {row['speedup_vs_hf']:.2f}x", file=out)
+        if row.get("speedup_vs_ar") is not None and base == "hf":
+            print(f"{'':<14}vs our plain decoding: {row['speedup_vs_ar']:.2f}x", file=out)
+        hist = " ".join(f"{k}:{f:.2f}" for k, f in enumerate(row["accept_length_histogram"], 1) if f > 0)
+        print(f"{'':<14}accept-length histogram {hist}", file=out)
+        if row.get("outputs_match") is not None:
+            flag = "" if row["outputs_match"] == 1.0 else "   <-- LOSSLESSNESS BUG: DFlash output differs from plain decoding"
+            print(f"{'':<14}outputs_match {row['outputs_match']:.3f}{flag}", file=out)
+    for note in report["notes"]:
+        print(f"note: {note}", file=out)
+    m = report["machine"]
+    print(f"machine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}, {m['device']} {m['dtype']}", file=out)
+
+
+def write_plot(report: dict, path: str) -> None:
+    """Acceptance-length histogram and per-prompt speedup; for a sweep, tau and speedup per block size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    if report.get("sweep"):
+        rows = report["sweep"]
+        sizes = [r["block_size"] for r in rows]
+        left.plot(sizes, [r["mean_accept_length"] for r in rows], "o-")
+        left.set(xlabel="block size B", ylabel="tau (accepted tokens / step)", title="Acceptance length")
+        left.set_xscale("log", base=2)
+        left.set_xticks(sizes, [str(b) for b in sizes])
+        speed = [r["speedup"] if r["speedup"] is not None else float("nan") for r in rows]
+        right.plot(sizes, speed, "o-", color="tab:green")
+        right.axhline(1.0, color="grey", lw=0.8, ls="--")
+        right.set(xlabel="block size B", ylabel=f"decode speedup vs {report['baseline']}", title="Speedup")
+        right.set_xscale("log", base=2)
+        right.set_xticks(sizes, [str(b) for b in sizes])
+    else:
+        hist = report["accept_length_histogram"] or []
+        left.bar(range(1, len(hist) + 1), hist)
+        left.set_xticks(range(1, len(hist) + 1))
+        left.set(xlabel="accepted tokens per verify step (incl. bonus)", ylabel="fraction of steps",
+                 title=f"Acceptance length (tau={report['mean_accept_length'] or 0:.2f}, B={report['block_size']})")
+        pts = [(i, r["speedup"]) for i, r in enumerate(report["per_prompt"]) if r.get("speedup") is not None]
+        right.bar([p[0] for p in pts], [p[1] for p in pts], color="tab:green")
+        right.axhline(1.0, color="grey", lw=0.8, ls="--")
+        if report.get("speedup") is not None:
+            right.axhline(report["speedup"], color="tab:red", lw=1, label=f"mean-TPOT speedup {report['speedup']:.2f}x")
+            right.legend()
+        right.xaxis.get_major_locator().set_params(integer=True)
+        right.set(xlabel="prompt turn", ylabel=f"decode speedup vs {report['baseline']}", title="Per-prompt speedup")
+    fig.suptitle(f"blockspec bench: {report['dataset']}, {report['num_samples']} turns, "
+                 f"{report['machine']['device']} ({report['machine']['cpu']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+TIMING = ("decode-only: per prompt turn, time from the first output token to the last over the tokens after the "
+          "first (TPOT; prefill and the draft's context injection excluded); batch 1; methods interleaved prompt "
+          "by prompt in one process, their order rotating; prompt 0 run once through every method as an uncounted "
+          "warm-up. transformers generate is timed the same way via a streamer (first new token -> end).")
+
+
+def build_report(samples: list[Sample], names: list[str], dflash: list[tuple[str, int]], baseline: str,
+                 greedy: bool, meta: dict) -> dict:
+    """The full JSON report. `dflash` lists (method name, block size); with several (a sweep) the top-level
+    DFlash fields are those of the block size with the best speedup, and `sweep` holds every size."""
+    paired = _paired(samples, names)
+    base = baseline if baseline != "none" else None
+    summaries = {name: method_summary(paired, name) for name in names}
+    entries = [dflash_entry(samples, d, size, base, names, greedy) for d, size in dflash] or [
+        dflash_entry(samples, None, meta["block_size"], base, names, greedy)]
+    best = max(entries, key=lambda e: (e.get("speedup") or 0, e["block_size"]))
+    report = {**meta, **best, "baseline": baseline, "num_samples": len(samples), "num_timed_pairs": len(paired),
+              "baseline_tokens_per_s": summaries[base]["tokens_per_s"] if base else None,
+              "baseline_tokens_per_s_median": summaries[base]["tokens_per_s_median"] if base else None,
+              "ar_tokens_per_s": summaries["ar"]["tokens_per_s"] if "ar" in names else None,
+              "hf_tokens_per_s": summaries["hf"]["tokens_per_s"] if "hf" in names else None,
+              "methods": summaries, "timing": TIMING}
+    if len(entries) > 1:
+        report["sweep"] = [{k: v for k, v in e.items() if k != "per_prompt"} for e in entries]
+        report["notes"] = report["notes"] + [f"sweep: top-level DFlash fields are block size {best['block_size']} "
+                                             f"(best speedup); see 'sweep' for every size."]
+    return report

@@ -1,0 +1,114 @@
+"""`blockspec bench-serving`: output tokens/s against concurrency, DFlash and plain decoding on the same engine.
+
+A closed loop per (method, concurrency): `concurrency` requests are kept in the continuous-batching
+scheduler at all times (a finished request is replaced by the next prompt at once) until every
+prompt is done; throughput = all output tokens / wall time, prefill included. The engine runs in
+process (no HTTP), so the figures are the engine's, not the network's. Prompts are the first turns
+of a real prompt set through the target's chat template.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import deque
+
+from blockspec.engine.scheduler import Scheduler
+from blockspec.errors import BlockspecError
+from blockspec.sampling_params import SamplingParams
+
+
+def register(sub) -> None:
+    from blockspec.cli import add_model_args
+    from blockspec.server.cli import add_engine_args
+
+    p = sub.add_parser("bench-serving", help="output tokens/s at several concurrencies, DFlash vs plain decoding")
+    p.add_argument("--dataset", default="humaneval", help="humaneval, mt-bench or PATH.jsonl")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--concurrency", default="1,4,8,16", help="comma-separated list")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--json", default=None, help="write the report here")
+    add_engine_args(p, default_running=0)  # 0: as many slots as the highest concurrency
+    add_model_args(p)
+    p.set_defaults(func=run_bench_serving)
+
+
+def closed_loop(llm, prompts: list[list[int]], params: SamplingParams, concurrency: int, use_draft: bool,
+                max_total_tokens: int | None, prefill_tokens_per_step: int | None) -> tuple[dict, list[list[int]]]:
+    scheduler = Scheduler(llm.runner, use_draft, max_total_tokens, prefill_tokens_per_step)
+    todo, seqs, in_flight, steps = deque(prompts), [], 0, 0
+    start = time.perf_counter()
+    while todo or scheduler.has_work:
+        while todo and in_flight < concurrency:
+            seq = llm._sequence(todo.popleft(), params)
+            scheduler.add(seq)
+            seqs.append(seq)
+            in_flight += 1
+        in_flight -= sum(1 for s in scheduler.step() if s.finished)
+        steps += 1
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(s.output_ids) for s in seqs)
+    accepts = [a for s in seqs for a in s.accept_lengths]
+    row = {
+        "method": "DFLASH" if use_draft else "NONE", "concurrency": concurrency, "num_requests": len(seqs),
+        "output_tokens": tokens, "wall_s": round(elapsed, 3), "output_tokens_per_s": round(tokens / elapsed, 2),
+        "mean_accept_length": round(sum(accepts) / len(accepts), 3) if use_draft and accepts else None,
+        "mean_ttft_s": round(sum(s.first_token_time - s.arrival_time for s in seqs) / len(seqs), 3),
+        "mean_latency_s": round(sum(s.finish_time - s.arrival_time for s in seqs) / len(seqs), 3),
+        "steps": steps, "preemptions": scheduler.num_preemptions,
+    }
+    return row, [s.output_ids for s in seqs]
+
+
+def run_bench_serving(args: argparse.Namespace) -> None:
+    from blockspec.bench.datasets import load_dataset, select_subset
+    from blockspec.bench.report import machine_info
+    from blockspec.cli import build_llm
+    from blockspec.server.cli import check_engine_args
+
+    try:
+        levels = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
+    except ValueError as exc:
+        raise BlockspecError(f"--concurrency={args.concurrency!r} must be a comma-separated list of integers.") from exc
+    if not levels or levels[0] < 1:
+        raise BlockspecError(f"--concurrency={args.concurrency!r} must list integers >= 1.")
+    args.max_running_requests = args.max_running_requests or levels[-1]
+    check_engine_args(args)
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    prompts_meta, note = select_subset(load_dataset(args.dataset), args.num_prompts, seed=0)
+    if note:
+        print(note, file=sys.stderr)
+    llm = build_llm(args, max_num_seqs=args.max_running_requests)
+    chat = llm.tokenizer.chat_template is not None
+    prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": p.turns[0]}])
+                                    if chat else p.turns[0]) for p in prompts_meta]
+    methods = [False] + ([True] if llm.draft is not None else [])
+    engine_args = (args.max_total_tokens, args.prefill_tokens_per_step)
+    for use_draft in methods:  # warm-up: first calls pay for allocation and kernel selection
+        closed_loop(llm, prompts[:1], SamplingParams(max_tokens=4), 1, use_draft, *engine_args)
+    rows = []
+    print(f"{'method':<8}{'conc':>5}{'tok/s':>10}{'tau':>7}{'TTFT s':>9}{'latency s':>11}{'match':>7}", file=sys.stderr)
+    for level in levels:
+        outputs = {}
+        for use_draft in methods:
+            row, outputs[use_draft] = closed_loop(llm, prompts, params, level, use_draft, *engine_args)
+            if use_draft and params.greedy:
+                row["outputs_match"] = sum(a == b for a, b in zip(outputs[True], outputs[False])) / len(prompts)
+            rows.append(row)
+            tau = f"{row['mean_accept_length']:.2f}" if row["mean_accept_length"] else "-"
+            match = f"{row['outputs_match']:.2f}" if "outputs_match" in row else "-"
+            print(f"{row['method']:<8}{level:>5}{row['output_tokens_per_s']:>10.1f}{tau:>7}{row['mean_ttft_s']:>9.2f}"
+                  f"{row['mean_latency_s']:>11.2f}{match:>7}", file=sys.stderr, flush=True)
+    report = {
+        "dataset": args.dataset, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature, "block_size": llm.block_size, "max_running_requests": args.max_running_requests,
+        "max_total_tokens": args.max_total_tokens, "rows": rows, "machine": machine_info(llm.device, llm.dtype),
+        "command": " ".join(["blockspec"] + sys.argv[1:]),
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    print(json.dumps(report["rows"]))
