@@ -29,13 +29,12 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple, batch: Batch, cache: KVCache, length: int, mask) -> torch.Tensor:
         b, n, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shards, dim=-1)
-        q = q.view(b, n, self.heads, self.head_dim)
-        k = k.view(b, n, self.kv_heads, self.head_dim)
-        v = v.view(b, n, self.kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(b, n, self.heads + 2 * self.kv_heads, self.head_dim)
+        qk, v = qkv.split([self.heads + self.kv_heads, self.kv_heads], dim=2)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = qk.split([self.heads, self.kv_heads], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+        q, k = apply_rope(qk, *rope).split([self.heads, self.kv_heads], dim=2)  # one rotation for q and k
         cache.write(self.layer_id, batch, k, v)
         keys, values = cache.read(self.layer_id, batch, length)
         return self.o_proj(attention(q, keys, values, mask))
