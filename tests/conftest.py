@@ -1,6 +1,11 @@
 from pathlib import Path
 
 import pytest
+import torch
+
+# One intra-op thread: the tiny test models are dispatch-bound, and on a shared or busy 2-core machine
+# two OpenMP threads spin against each other (tests ran ~40x slower). Benchmarks choose their own.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

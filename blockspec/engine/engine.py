@@ -1,11 +1,11 @@
-"""The engine loop: admit waiting sequences while slots are free, step all running ones together."""
+"""The offline engine loop: feed a fixed list of sequences through the continuous-batching scheduler."""
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Callable
 
 from blockspec.engine.runner import ModelRunner
+from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
 
 
@@ -14,22 +14,16 @@ def run_to_completion(
     seqs: list[Sequence],
     use_draft: bool,
     on_step: Callable[[list[Sequence]], None] | None = None,
-) -> None:
-    """Continuous batching over a fixed list: a sequence joins as soon as a slot frees up and leaves
-    the moment it finishes. `on_step` sees the running sequences after every step (for streaming)."""
-    waiting, running = deque(seqs), []
-    while waiting or running:
-        while waiting and runner.pool.num_free:
-            seq = waiting.popleft()
-            runner.admit(seq)
-            runner.prefill(seq, use_draft)
-            running.append(seq)
-        live = [s for s in running if not s.finished]
-        if live:
-            (runner.dflash_step if use_draft else runner.decode_step)(live)
+    max_total_tokens: int | None = None,
+) -> Scheduler:
+    """Continuous batching over a fixed list: a sequence joins as soon as a slot (and KV budget) frees
+    up and leaves the moment it finishes. `on_step` sees the sequences that ran after every step,
+    finished ones included (for streaming). Returns the scheduler (for its statistics)."""
+    scheduler = Scheduler(runner, use_draft, max_total_tokens=max_total_tokens)
+    for seq in seqs:
+        scheduler.add(seq)
+    while scheduler.has_work:
+        ran = scheduler.step()
         if on_step is not None:
-            on_step(running)
-        for seq in running:
-            if seq.finished:
-                runner.release(seq)
-        running = [s for s in running if not s.finished]
+            on_step(ran)
+    return scheduler

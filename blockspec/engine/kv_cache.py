@@ -32,15 +32,19 @@ class KVCache:
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.max_len = max_len
-        self._zeroed: set[int] = set()
+        self._clean_upto = [0] * num_slots  # rows below this are zeroed or written, per slot
 
-    def claim(self, slot: int) -> None:
-        """Zero a slot the first time it is used. Batched attention reads rows past a sequence's
-        length (masked out); never-written memory may hold NaN bit patterns, and 0 * NaN = NaN."""
-        if slot not in self._zeroed:
-            self.k[:, slot].zero_()
-            self.v[:, slot].zero_()
-            self._zeroed.add(slot)
+    def prepare(self, batch: "Batch", length: int) -> None:
+        """Zero each row the coming forward may touch that no forward has touched yet (up to `length`).
+        Batched attention reads rows past a sequence's own length (masked out), and never-written
+        memory may hold NaN bit patterns (0 * NaN = NaN). Zeroing lazily keeps resident memory at the
+        rows actually used, not whole slabs."""
+        for slot in batch.slots:
+            start = self._clean_upto[slot]
+            if start < length:
+                self.k[:, slot, :, start:length].zero_()
+                self.v[:, slot, :, start:length].zero_()
+                self._clean_upto[slot] = length
 
     @property
     def bytes_per_token(self) -> int:

@@ -43,9 +43,6 @@ class ModelRunner:
 
     def admit(self, seq: Sequence) -> None:
         seq.slot = self.pool.allocate()
-        for cache in (self.target_cache, self.draft_cache):
-            if cache is not None:
-                cache.claim(seq.slot)
 
     def release(self, seq: Sequence) -> None:
         if seq.slot >= 0:
@@ -106,3 +103,32 @@ class ModelRunner:
             seq.num_cached += accepted + 1
             seq.accept_lengths.append(accepted + 1)
             seq.emit(drafts[row, :accepted].tolist() + [bonus])
+
+    @torch.inference_mode()
+    def prefill_batch(self, seqs: list[Sequence], chunks: list[list[int]], use_draft: bool) -> torch.Tensor:
+        """One prompt chunk per sequence in one forward, at positions seq.num_cached onwards; rows are
+        right-padded to the longest chunk (the padding writes scratch rows past each sequence's length,
+        which the sequence's next forward overwrites before anything attends to them, as with a rejected
+        draft tail). Injects the draft context, advances num_cached, and returns the last layer's hidden
+        state at each row's last real token [b, H]; `sample_first` turns it into a first token.
+        The caller keeps every row's num_cached + padded width within max_len."""
+        width = max(len(c) for c in chunks)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long, device=self.device)
+        for row, chunk in enumerate(chunks):
+            ids[row, : len(chunk)] = torch.tensor(chunk, device=self.device)
+        batch = Batch([s.slot for s in seqs], [s.num_cached for s in seqs])
+        capture = self.capture if use_draft else ()
+        hidden, features = self.target(ids, batch, self.target_cache, capture)
+        if use_draft:
+            self.draft.inject(features, batch, self.draft_cache)
+        for seq, chunk in zip(seqs, chunks):
+            seq.num_cached += len(chunk)
+        last = torch.tensor([len(c) - 1 for c in chunks], device=self.device)
+        return hidden[torch.arange(len(seqs), device=self.device), last]
+
+    @torch.inference_mode()
+    def sample_first(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        """Emit each sequence's first token from the hidden state of its last prompt token [b, H]."""
+        logits = self.target.logits(hidden)
+        for row, seq in enumerate(seqs):
+            seq.emit([next_token(logits[row], seq.params, seq.generator)])

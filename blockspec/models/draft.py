@@ -93,6 +93,7 @@ class DFlashDraft(nn.Module):
     def inject(self, features: torch.Tensor, batch: Batch, cache: KVCache) -> None:
         """Write context K/V for target features [b, n, K*H] at positions batch.starts[i]..+n."""
         ctx = self.hidden_norm(self.fc(features))
+        cache.prepare(batch, max(batch.starts) + ctx.shape[1])
         rope = self.rotary.table(batch.positions(ctx.shape[1], ctx.device), ctx.dtype)
         for layer in self.layers:
             k, v = layer.self_attn.context_kv(ctx, rope)
@@ -104,6 +105,7 @@ class DFlashDraft(nn.Module):
         block = block_embeds.shape[1]
         positions = batch.positions(block, block_embeds.device)
         length = max(batch.starts) + block
+        cache.prepare(batch, length)
         rope = self.rotary.table(positions, block_embeds.dtype)
         masks: dict[int | None, torch.Tensor | None] = {}
         x = block_embeds
@@ -112,4 +114,39 @@ class DFlashDraft(nn.Module):
             if window not in masks:
                 masks[window] = block_mask(batch, block, length, window, x.device)
             x = layer(x, rope, batch, cache, length, masks[window])
+        return self.norm(x)
+
+    def forward_train(
+        self,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        ctx_features: torch.Tensor,
+        ctx_positions: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Cache-free pass over many blocks at once (training): block_embeds [b, n, H] at absolute
+        block_positions [b, n]; raw target features ctx_features [b, T, K*H] at ctx_positions [b, T];
+        mask bool [b, n, T + n] over the keys [context; blocks] (True = visible). Same layer modules
+        and math as `inject` + `forward`. Returns final-normed hidden states [b, n, H]."""
+        b, n, _ = block_embeds.shape
+        ctx = self.hidden_norm(self.fc(ctx_features))
+        ctx_rope = self.rotary.table(ctx_positions, ctx.dtype)
+        rope = self.rotary.table(block_positions, block_embeds.dtype)
+        key_positions = torch.cat([ctx_positions, block_positions], dim=1)
+        is_block_key = torch.arange(key_positions.shape[1], device=mask.device) >= ctx_positions.shape[1]
+        x = block_embeds
+        for layer in self.layers:
+            attn = layer.self_attn
+            layer_mask = mask
+            if attn.sliding_window is not None:  # as block_mask: old context keys fall out of the window
+                near = key_positions.unsqueeze(1) >= block_positions.unsqueeze(2) - (attn.sliding_window - 1)
+                layer_mask = mask & (is_block_key | near)
+            ctx_k, ctx_v = attn.context_kv(ctx, ctx_rope)
+            q, k, v = attn.qkv_proj(layer.input_layernorm(x)).split(attn.qkv_proj.shards, dim=-1)
+            q = apply_rope(attn.q_norm(q.view(b, n, attn.heads, attn.head_dim)), *rope)
+            k = apply_rope(attn.k_norm(k.view(b, n, attn.kv_heads, attn.head_dim)), *rope)
+            keys = torch.cat([ctx_k, k], dim=1).transpose(1, 2)
+            values = torch.cat([ctx_v, v.view(b, n, attn.kv_heads, attn.head_dim)], dim=1).transpose(1, 2)
+            x = x + attn.o_proj(attention(q, keys, values, layer_mask))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)

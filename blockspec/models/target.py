@@ -104,6 +104,7 @@ class CausalLM(nn.Module):
         n = input_ids.shape[1]
         positions = batch.positions(n, input_ids.device)
         length = max(batch.starts) + n
+        cache.prepare(batch, length)
         mask = causal_mask(positions, length)
         rope = self.rotary.table(positions, self.embed_tokens.weight.dtype)
         x = self.embed_tokens(input_ids)

@@ -1,0 +1,202 @@
+"""Continuous batching: a request queue, admission, one batched step for everyone, preemption, abort.
+
+Policy (one step = `Scheduler.step`):
+
+1. Retire: finished or aborted requests give their slot back at once.
+2. Make room: the KV budget is counted in tokens, one token = one row in the target cache *and* one
+   in the draft cache (they share the slot space), so one budget covers both. A running request
+   holds `num_cached + width` tokens, where width is the rows its next step writes (the block size
+   B for DFlash, 1 for plain decoding); a request still prefilling holds its whole prefill length +
+   width from the moment it is admitted. Holdings grow as requests decode; when their sum exceeds
+   the budget, the youngest running request (latest arrival) is preempted: its slot is freed and it
+   goes back to the *front* of the queue. It keeps every token it has generated; when readmitted it
+   recomputes the KV of prompt + output[:-1] (`prefill_batch`) and resumes from its pending token,
+   so nothing is lost, re-sampled or emitted twice. The oldest request is never preempted for a
+   younger one, so every request finishes (no livelock).
+3. Admit: first come, first served, while a slot is free (`--max-running-requests` slots) and the
+   head of the queue fits in the budget; a request that does not fit blocks those behind it
+   (no overtaking, so long prompts are not starved).
+4. Prefill: up to `prefill_tokens_per_step` prompt tokens per step, split into chunks across the
+   requests being prefilled (oldest first); rows of similar chunk length share one padded forward.
+   A long prompt thus takes several steps while the others keep decoding. (Padding rows are scratch
+   inside the slab, like a rejected draft tail, and are not counted against the budget.)
+5. Decode: one batched draft forward and one batched target verify (or one plain decode forward)
+   for every request past prefill, including those whose prefill ended this step; each row accepts
+   its own number of tokens, stops on its own stop tokens and max_tokens.
+
+The scheduler is not thread-safe: one thread (the engine thread) calls add/abort/step.
+Memory: the budget bounds the KV rows in use. Slab rows are zeroed lazily, the first time a forward
+reaches them (`KVCache.prepare`), so resident memory follows the longest length each slot has reached,
+not num_slots x slab length.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from blockspec.engine.runner import ModelRunner
+from blockspec.engine.sequence import Sequence
+from blockspec.errors import RequestError
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        use_draft: bool,
+        max_total_tokens: int | None = None,
+        prefill_tokens_per_step: int | None = None,
+    ) -> None:
+        if use_draft and runner.draft is None:
+            raise RequestError("DFLASH decoding was requested but the runner has no draft model.")
+        self.runner, self.use_draft = runner, use_draft
+        self.width = runner.block_size if use_draft else 1
+        capacity = runner.pool.num_slots * runner.max_len
+        if max_total_tokens is not None and (
+            isinstance(max_total_tokens, bool) or not isinstance(max_total_tokens, int) or max_total_tokens < 1
+        ):
+            raise RequestError(f"max_total_tokens={max_total_tokens!r} must be a positive integer.")
+        self.max_total_tokens = min(max_total_tokens or capacity, capacity)
+        self.prefill_tokens_per_step = prefill_tokens_per_step or runner.prefill_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._prefill_ids: dict[int, list[int]] = {}  # prefilling seq_id -> ids to prefill (progress: num_cached)
+        self.num_preemptions = 0
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def tokens_in_use(self) -> int:
+        return sum(self._holding(s) for s in self.running)
+
+    def _holding(self, seq: Sequence) -> int:
+        ids = self._prefill_ids.get(seq.seq_id)
+        return (len(ids) if ids is not None else seq.num_cached) + self.width
+
+    def max_need(self, seq: Sequence) -> int:
+        """The most tokens this request can ever hold: its whole context plus one step's scratch rows."""
+        return len(seq.prompt_ids) + seq.params.max_tokens - 1 + self.width
+
+    def check(self, seq: Sequence) -> None:
+        """Raise RequestError if the request could never run (reads only constants: callable from any thread)."""
+        need = self.max_need(seq)
+        limit = min(self.max_total_tokens, self.runner.max_len)
+        if need > limit:
+            raise RequestError(
+                f"The prompt has {len(seq.prompt_ids)} tokens and max_tokens={seq.params.max_tokens}: with "
+                f"{self.width} scratch rows per step the request needs {need} KV tokens, more than this engine "
+                f"can hold for one request ({limit}). Shorten the prompt, lower max_tokens, or raise the KV "
+                f"budget (--max-total-tokens) / --max-model-len."
+            )
+
+    # ---- requests in and out ---------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.check(seq)
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int, reason: str = "abort") -> Sequence | None:
+        """Stop a request now (between steps) and free its slot; returns it, or None if unknown/finished."""
+        for i, seq in enumerate(self.waiting):
+            if seq.seq_id == seq_id:
+                del self.waiting[i]
+                seq.finish(reason)
+                return seq
+        for seq in self.running:
+            if seq.seq_id == seq_id:
+                if not seq.finished:
+                    seq.finish(reason)
+                self._retire()
+                return seq
+        return None
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Admit, prefill, decode once; returns the sequences that ran this step (finished ones included)."""
+        self._retire()
+        self._make_room()
+        self._admit()
+        prefilled = self._prefill()
+        decoding = [s for s in self.running if s.seq_id not in self._prefill_ids and not s.finished]
+        if decoding:
+            (self.runner.dflash_step if self.use_draft else self.runner.decode_step)(decoding)
+        seen = {s.seq_id for s in prefilled}
+        ran = prefilled + [s for s in decoding if s.seq_id not in seen]
+        self._retire()
+        return ran
+
+    def _retire(self) -> None:
+        for seq in self.running:
+            if seq.finished:
+                self.runner.release(seq)
+                self._prefill_ids.pop(seq.seq_id, None)
+        self.running = [s for s in self.running if not s.finished]
+
+    def _make_room(self) -> None:
+        total = self.tokens_in_use
+        while total > self.max_total_tokens and len(self.running) > 1:
+            victim = max(self.running, key=lambda s: (s.arrival_time, s.seq_id))
+            total -= self._holding(victim)
+            self._preempt(victim)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.runner.release(seq)
+        self.running = [s for s in self.running if s.seq_id != seq.seq_id]
+        self._prefill_ids.pop(seq.seq_id, None)
+        seq.num_cached = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _admit(self) -> None:
+        in_use = self.tokens_in_use
+        while self.waiting and self.runner.pool.num_free:
+            seq = self.waiting[0]
+            # A resumed request recomputes prompt + output[:-1]; its pending token output[-1] is kept.
+            ids = seq.prompt_ids + seq.output_ids[:-1]
+            need = len(ids) + self.width
+            if in_use + need > self.max_total_tokens:
+                break
+            self.waiting.popleft()
+            self.runner.admit(seq)
+            seq.num_cached = 0
+            self._prefill_ids[seq.seq_id] = ids
+            self.running.append(seq)
+            in_use += need
+
+    def _prefill(self) -> list[Sequence]:
+        """Run this step's share of prefill; sequences whose prefill ends get their first token."""
+        left = self.prefill_tokens_per_step
+        rows: list[tuple[Sequence, list[int]]] = []
+        for seq in sorted((s for s in self.running if s.seq_id in self._prefill_ids), key=lambda s: s.arrival_time):
+            if left <= 0:
+                break
+            ids = self._prefill_ids[seq.seq_id]
+            chunk = ids[seq.num_cached : seq.num_cached + left]
+            rows.append((seq, chunk))
+            left -= len(chunk)
+        for group in self._groups(rows):
+            seqs, chunks = [s for s, _ in group], [c for _, c in group]
+            hidden = self.runner.prefill_batch(seqs, chunks, self.use_draft)
+            done = [i for i, s in enumerate(seqs) if s.num_cached == len(self._prefill_ids[s.seq_id])]
+            fresh = [i for i in done if not seqs[i].output_ids]
+            if fresh:
+                self.runner.sample_first([seqs[i] for i in fresh], hidden[fresh])
+            for i in done:
+                del self._prefill_ids[seqs[i].seq_id]
+        return [s for s, _ in rows]
+
+    def _groups(self, rows: list[tuple[Sequence, list[int]]]) -> list[list[tuple[Sequence, list[int]]]]:
+        """Rows whose chunk lengths share a power-of-two bucket run in one padded forward (padding
+        wastes under 2x); a row whose padding would run past its slab goes alone."""
+        buckets: dict[int, list[tuple[Sequence, list[int]]]] = {}
+        for row in rows:
+            buckets.setdefault(len(row[1]).bit_length(), []).append(row)
+        groups: list[list[tuple[Sequence, list[int]]]] = []
+        for bucket in buckets.values():
+            width = max(len(c) for _, c in bucket)
+            fits = [r for r in bucket if r[0].num_cached + width <= self.runner.max_len]
+            groups += [fits] if fits else []
+            groups += [[r] for r in bucket if r[0].num_cached + width > self.runner.max_len]
+        return groups

@@ -1,0 +1,204 @@
+"""The bridge between asyncio request handlers and the one thread that runs the model.
+
+Handlers call `submit` (returns an asyncio.Queue of `Output`s) and `abort`; both only post a message
+to the engine thread's inbox. The engine thread drains its inbox between steps (so an abort frees
+the request's KV before the next step), runs `Scheduler.step`, turns each request's new tokens into
+text (StreamDecoder), applies stop strings (the text is cut before the stop string and the request
+finishes at once), and posts the pieces to the request's queue with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from blockspec.engine.scheduler import Scheduler
+from blockspec.engine.sequence import Sequence
+from blockspec.errors import BlockspecError
+from blockspec.models.tokenizer import StreamDecoder, Tokenizer
+from blockspec.server.metrics import Metrics
+
+log = logging.getLogger("blockspec.server")
+
+
+@dataclass
+class Output:
+    """One update of a request: text since the previous update; finish_reason set on the last one."""
+
+    text: str
+    num_output_tokens: int
+    finish_reason: str | None = None
+    accept_lengths: list[int] = field(default_factory=list)  # on the last update only
+    error: str | None = None
+
+
+@dataclass
+class _Tracked:
+    seq: Sequence
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    decoder: StreamDecoder
+    stop: list[str]
+    sent_tokens: int = 0
+    sent_accepts: int = 0
+    held: str = ""  # decoded text held back because it may be the start of a stop string
+
+
+def find_stop(text: str, stops: list[str]) -> tuple[int | None, int]:
+    """(index where the earliest stop string starts or None, length of the longest suffix of text
+    that is a proper prefix of some stop string: text that must be held back for now)."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    if hits:
+        return min(hits), 0
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return None, hold
+
+
+class AsyncEngine:
+    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, metrics: Metrics) -> None:
+        self.scheduler, self.tokenizer, self.metrics = scheduler, tokenizer, metrics
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._tracked: dict[int, _Tracked] = {}  # engine thread only
+        self._thread: threading.Thread | None = None
+        self.snapshot: dict[str, float] = {}
+        self._publish()
+
+    # ---- called from the event loop --------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="blockspec-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, seq: Sequence, stop: list[str]) -> asyncio.Queue:
+        """Queue a validated sequence; its `Output`s arrive on the returned queue."""
+        tracked = _Tracked(seq, asyncio.get_running_loop(), asyncio.Queue(), StreamDecoder(self.tokenizer), stop)
+        self._inbox.put(("add", tracked))
+        self._wake.set()
+        return tracked.queue
+
+    def abort(self, seq_id: int) -> None:
+        self._inbox.put(("abort", seq_id))
+        self._wake.set()
+
+    # ---- the engine thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._wake.clear()
+            self._drain()
+            if not self.scheduler.has_work:
+                self._publish()
+                self._wake.wait(timeout=0.5)
+                continue
+            start = time.perf_counter()
+            try:
+                ran = self.scheduler.step()
+            except Exception as exc:  # a bug or out-of-memory must not take the server down
+                log.exception("engine step failed; failing the running requests")
+                self._fail_all(f"internal engine error: {type(exc).__name__}: {exc}")
+                continue
+            accepts: list[int] = []
+            for seq in ran:
+                accepts += self._deliver(seq)
+            self.metrics.step(time.perf_counter() - start, accepts if self.scheduler.use_draft else [])
+            self._publish()
+        self._fail_all("the server is shutting down")
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.scheduler.add(item.seq)
+                except BlockspecError as exc:  # handlers check first; this is a safety net
+                    self._post(item, Output("", 0, "error", error=str(exc)))
+                    continue
+                self._tracked[item.seq.seq_id] = item
+            else:
+                tracked = self._tracked.pop(item, None)
+                seq = self.scheduler.abort(item)
+                if tracked is not None and seq is not None:
+                    self._done(seq, "abort")
+
+    def _deliver(self, seq: Sequence) -> list[int]:
+        """Post the request's new text; returns the accept lengths of its new verify steps (for metrics)."""
+        tracked = self._tracked.get(seq.seq_id)
+        if tracked is None:
+            return []
+        new = seq.output_ids[tracked.sent_tokens :]
+        accepts = seq.accept_lengths[tracked.sent_accepts :]
+        tracked.sent_tokens, tracked.sent_accepts = len(seq.output_ids), len(seq.accept_lengths)
+        text = tracked.held + "".join(tracked.decoder.push(t) for t in new)
+        if seq.finished:
+            text += tracked.decoder.flush()
+        reason = seq.finish_reason
+        tracked.held = ""
+        if tracked.stop:
+            cut, hold = find_stop(text, tracked.stop)
+            if cut is not None:
+                text, reason = text[:cut], "stop"
+                if not seq.finished:
+                    self.scheduler.abort(seq.seq_id, reason="stop")  # frees its KV now
+            elif reason is None and hold:
+                text, tracked.held = text[: len(text) - hold], text[len(text) - hold :]
+        if text or reason is not None:
+            final = reason is not None
+            self._post(tracked, Output(text, len(seq.output_ids), reason,
+                                       list(seq.accept_lengths) if final else []))
+        if reason is not None:
+            self._tracked.pop(seq.seq_id, None)
+            self._done(seq, reason)
+        return accepts
+
+    def _done(self, seq: Sequence, reason: str) -> None:
+        ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
+        self.metrics.request_done(reason, len(seq.prompt_ids), len(seq.output_ids), ttft)
+
+    def _post(self, tracked: _Tracked, output: Output) -> None:
+        try:
+            tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, output)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            pass
+
+    def _fail_all(self, message: str) -> None:
+        for seq_id, tracked in list(self._tracked.items()):
+            self.scheduler.abort(seq_id, reason="error")
+            self._post(tracked, Output("", len(tracked.seq.output_ids), "error", error=message))
+            self._done(tracked.seq, "error")
+        self._tracked.clear()
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):  # untracked leftovers
+            self.scheduler.abort(seq.seq_id, reason="error")
+        self._publish()
+
+    def _publish(self) -> None:
+        s = self.scheduler
+        pool = s.runner.pool
+        self.snapshot = {
+            "num_running_requests": len(s.running), "num_waiting_requests": len(s.waiting),
+            "kv_tokens_used": s.tokens_in_use, "kv_tokens_budget": s.max_total_tokens,
+            "kv_slots_free": pool.num_free, "kv_slots_total": pool.num_slots,
+            "preemptions_total": s.num_preemptions,
+        }
+        self.metrics.set_gauges(**self.snapshot)

@@ -1,0 +1,107 @@
+"""Prometheus metrics, rendered by hand in the text exposition format (no client library needed).
+
+Counters and histograms are updated by the engine thread and the HTTP handlers under one lock;
+gauges (queue depth, running requests, KV use) are read from the engine's latest snapshot.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+COUNTER_GAUGES = {"preemptions_total"}  # engine counters published through the snapshot
+TTFT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class Histogram:
+    name: str
+    help: str
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        self.n += 1
+        self.total += value
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        for bound, count in zip(self.buckets, self.counts):
+            lines.append(f'{self.name}_bucket{{le="{_num(bound)}"}} {count}')
+        lines += [f'{self.name}_bucket{{le="+Inf"}} {self.n}', f"{self.name}_sum {_num(self.total)}",
+                  f"{self.name}_count {self.n}"]
+        return lines
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+class Metrics:
+    def __init__(self, block_size: int) -> None:
+        self._lock = threading.Lock()
+        self.requests: dict[str, int] = {}  # finish_reason ("stop", "length", "abort", "error") -> count
+        self.http_errors: dict[int, int] = {}  # status -> count (rejected before reaching the engine)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.preemptions = 0
+        self.accept_length = Histogram(
+            "blockspec_accept_length", "Tokens committed per verify step (tau, bonus included)",
+            tuple(float(i) for i in range(1, max(block_size, 1) + 1)),
+        )
+        self.step_latency = Histogram("blockspec_step_latency_seconds", "Wall time of one engine step", STEP_BUCKETS)
+        self.ttft = Histogram("blockspec_time_to_first_token_seconds", "Arrival to first token", TTFT_BUCKETS)
+        self.gauges: dict[str, float] = {}
+
+    def request_done(self, reason: str, prompt_tokens: int, output_tokens: int, ttft: float | None) -> None:
+        with self._lock:
+            self.requests[reason] = self.requests.get(reason, 0) + 1
+            self.prompt_tokens += prompt_tokens
+            self.generation_tokens += output_tokens
+            if ttft is not None:
+                self.ttft.observe(ttft)
+
+    def http_error(self, status: int) -> None:
+        with self._lock:
+            self.http_errors[status] = self.http_errors.get(status, 0) + 1
+
+    def step(self, seconds: float, accept_lengths: list[int]) -> None:
+        with self._lock:
+            self.step_latency.observe(seconds)
+            for a in accept_lengths:
+                self.accept_length.observe(a)
+
+    def set_gauges(self, **values: float) -> None:
+        with self._lock:
+            self.gauges.update(values)
+
+    def render(self) -> str:
+        with self._lock:
+            lines = ["# HELP blockspec_requests_total Finished requests by finish reason",
+                     "# TYPE blockspec_requests_total counter"]
+            for reason, count in sorted(self.requests.items()):
+                lines.append(f'blockspec_requests_total{{finish_reason="{reason}"}} {count}')
+            lines += ["# HELP blockspec_http_errors_total Requests rejected with an error status",
+                      "# TYPE blockspec_http_errors_total counter"]
+            for status, count in sorted(self.http_errors.items()):
+                lines.append(f'blockspec_http_errors_total{{status="{status}"}} {count}')
+            for name, value, help_ in (
+                ("blockspec_prompt_tokens_total", self.prompt_tokens, "Prompt tokens of finished requests"),
+                ("blockspec_generation_tokens_total", self.generation_tokens, "Output tokens of finished requests"),
+            ):
+                lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {value}"]
+            for name, value in sorted(self.gauges.items()):
+                kind = "counter" if name in COUNTER_GAUGES else "gauge"
+                lines += [f"# TYPE blockspec_{name} {kind}", f"blockspec_{name} {_num(value)}"]
+            for hist in (self.accept_length, self.step_latency, self.ttft):
+                lines += hist.render()
+        return "\n".join(lines) + "\n"

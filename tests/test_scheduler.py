@@ -1,0 +1,188 @@
+"""Continuous batching: many requests together (mixed params, chunked prefill, preemption, aborts)
+produce exactly what each produces alone, and every KV slot and budget token comes back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from blockspec.config import ModelConfig
+from blockspec.engine.engine import run_to_completion
+from blockspec.engine.runner import ModelRunner
+from blockspec.engine.scheduler import Scheduler
+from blockspec.engine.sequence import Sequence
+from blockspec.errors import RequestError
+from blockspec.models.loader import load_draft, load_target
+from blockspec.sampling_params import SamplingParams
+from tests.tiny import write_tiny_draft, write_tiny_target
+
+CPU = torch.device("cpu")
+MAX_LEN = 160
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run ~40x faster on one thread than on two contended ones (shared CI cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def runner(one_thread, tmp_path_factory) -> ModelRunner:
+    folder = tmp_path_factory.mktemp("sched")
+    write_tiny_target(folder / "target", "llama")
+    cfg = ModelConfig.from_folder(folder / "target")
+    write_tiny_draft(folder / "draft", cfg, block_size=4)
+    target = load_target(folder / "target", torch.float32, CPU)
+    draft = load_draft(folder / "draft", cfg, torch.float32, CPU)
+    return ModelRunner(target, draft, 4, draft.config.mask_token_id, num_slots=4, max_len=MAX_LEN)
+
+
+REQUESTS = [  # (prompt, params, stop ids): different lengths, limits, stops, greedy and sampled rows
+    ([3, 1, 4, 1, 5], SamplingParams(max_tokens=40), []),
+    (list(range(10, 70)), SamplingParams(max_tokens=25), [7]),
+    ([9], SamplingParams(max_tokens=1), []),
+    ([2, 7, 1, 8, 2, 8] * 5, SamplingParams(max_tokens=50, temperature=0.8, seed=11), []),
+    ([42, 43], SamplingParams(max_tokens=33, temperature=1.0, top_k=5, seed=3), []),
+    (list(range(90, 20, -1)), SamplingParams(max_tokens=30), [11, 12]),
+    ([5, 5, 5], SamplingParams(max_tokens=45, top_p=0.9, temperature=0.6, seed=5), []),
+]
+
+
+def fresh(requests=REQUESTS) -> list[Sequence]:
+    return [Sequence(list(p), SamplingParams(**vars(sp)), frozenset(stops)) for p, sp, stops in requests]
+
+
+def alone(runner: ModelRunner, use_draft: bool, requests=REQUESTS) -> list[Sequence]:
+    out = []
+    for seq in fresh(requests):
+        run_to_completion(runner, [seq], use_draft)
+        out.append(seq)
+    return out
+
+
+def drive(scheduler: Scheduler, seqs: list[Sequence], stream: dict[int, list[int]] | None = None) -> None:
+    """Run to completion, checking after every step that each request's output only ever grows
+    (what a streaming client sees is never taken back or repeated)."""
+    for seq in seqs:
+        scheduler.add(seq)
+    while scheduler.has_work:
+        scheduler.step()  # the rows a step wrote (commits + scratch) were reserved within the budget
+        assert sum(s.num_cached for s in scheduler.running) <= scheduler.max_total_tokens
+        for seq in seqs:
+            if stream is not None:
+                seen = stream.setdefault(seq.seq_id, [])
+                assert seq.output_ids[: len(seen)] == seen
+                stream[seq.seq_id] = list(seq.output_ids)
+
+
+def assert_same(got: list[Sequence], want: list[Sequence]) -> None:
+    for g, w in zip(got, want):
+        assert g.output_ids == w.output_ids, (g.prompt_ids[:5], g.params)
+        assert g.finish_reason == w.finish_reason
+
+
+def assert_all_free(scheduler: Scheduler) -> None:
+    assert scheduler.runner.pool.num_free == scheduler.runner.pool.num_slots
+    assert scheduler.tokens_in_use == 0 and not scheduler.running and not scheduler.waiting
+
+
+@pytest.mark.parametrize("use_draft", [True, False])
+def test_batched_equals_alone(runner, use_draft):
+    want = alone(runner, use_draft)
+    scheduler = Scheduler(runner, use_draft)
+    got = fresh()
+    drive(scheduler, got)
+    assert_same(got, want)
+    assert scheduler.num_preemptions == 0
+    assert_all_free(scheduler)
+    if use_draft:
+        assert all(1 <= a <= 4 for s in got for a in s.accept_lengths)
+
+
+@pytest.mark.parametrize("use_draft", [True, False])
+def test_tiny_budget_preempts_and_stays_lossless(runner, use_draft):
+    want = alone(runner, use_draft)
+    biggest = max(len(p) + sp.max_tokens - 1 for p, sp, _ in REQUESTS) + 4
+    scheduler = Scheduler(runner, use_draft, max_total_tokens=biggest + 20, prefill_tokens_per_step=24)
+    got, stream = fresh(), {}
+    drive(scheduler, got, stream)
+    assert scheduler.num_preemptions > 0
+    assert_same(got, want)
+    assert_all_free(scheduler)
+
+
+def test_long_prompt_is_prefilled_in_chunks_alongside_decode(runner):
+    requests = [([4, 4], SamplingParams(max_tokens=30), []), (list(range(96, 0, -1)), SamplingParams(max_tokens=20), [])]
+    want = alone(runner, True, requests)
+    scheduler = Scheduler(runner, True, prefill_tokens_per_step=10)
+    got = fresh(requests)
+    for seq in got:
+        scheduler.add(seq)
+    scheduler.step()  # the short prompt finishes prefill and decodes; the long one is 8 tokens in
+    assert len(got[0].output_ids) > 1 and got[1].num_cached == 8 and not got[1].output_ids
+    drive(scheduler, [])
+    assert_same(got, want)
+    assert_all_free(scheduler)
+
+
+def test_abort_frees_the_slot_at_once(runner):
+    scheduler = Scheduler(runner, True)
+    seqs = fresh([([1, 2, 3], SamplingParams(max_tokens=100), [])] * 6)  # 4 slots: two wait
+    for seq in seqs:
+        scheduler.add(seq)
+    scheduler.step()
+    assert runner.pool.num_free == 0 and len(scheduler.waiting) == 2
+    used = scheduler.tokens_in_use
+    assert scheduler.abort(seqs[1].seq_id) is seqs[1]
+    assert runner.pool.num_free == 1 and scheduler.tokens_in_use < used
+    assert seqs[1].finish_reason == "abort"
+    assert scheduler.abort(seqs[5].seq_id) is seqs[5]  # a waiting one
+    assert len(scheduler.waiting) == 1 and scheduler.abort(seqs[5].seq_id) is None
+    for seq in seqs:
+        scheduler.abort(seq.seq_id)
+    assert_all_free(scheduler)
+
+
+def test_request_that_can_never_fit_is_refused(runner):
+    scheduler = Scheduler(runner, True, max_total_tokens=50)
+    with pytest.raises(RequestError, match="KV tokens"):
+        scheduler.add(Sequence(list(range(30)), SamplingParams(max_tokens=30), frozenset()))
+    with pytest.raises(RequestError, match="max_total_tokens"):
+        Scheduler(runner, True, max_total_tokens=0)
+
+
+def test_on_step_streams_every_token_once(runner):
+    seqs, seen = fresh(), {}
+
+    def on_step(ran: list[Sequence]) -> None:
+        for seq in ran:
+            seen.setdefault(seq.seq_id, []).append(len(seq.output_ids))
+
+    run_to_completion(runner, seqs, True, on_step=on_step, max_total_tokens=120)
+    for seq in seqs:
+        lengths = seen[seq.seq_id]
+        assert lengths == sorted(lengths) and lengths[-1] == len(seq.output_ids)
+
+
+prompt_st = st.lists(st.integers(0, 96), min_size=1, max_size=40)
+request_st = st.tuples(prompt_st, st.integers(1, 40), st.booleans(), st.lists(st.integers(0, 96), max_size=2))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(requests=st.lists(request_st, min_size=2, max_size=6), slack=st.integers(0, 60), chunk=st.integers(4, 64),
+       use_draft=st.booleans())
+def test_random_workloads_match_alone(runner, requests, slack, chunk, use_draft):
+    reqs = [(p, SamplingParams(max_tokens=m, temperature=0.9 if sampled else 0.0, seed=i), stops)
+            for i, (p, m, sampled, stops) in enumerate(requests)]
+    want = alone(runner, use_draft, reqs)
+    biggest = max(len(p) + sp.max_tokens - 1 for p, sp, _ in reqs) + (4 if use_draft else 1)
+    scheduler = Scheduler(runner, use_draft, max_total_tokens=biggest + slack, prefill_tokens_per_step=chunk)
+    got = fresh(reqs)
+    drive(scheduler, got, {})
+    assert_same(got, want)
+    assert_all_free(scheduler)
