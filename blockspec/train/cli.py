@@ -1,5 +1,83 @@
-"""Placeholder until the train subcommand lands."""
+"""`blockspec train-draft`: train a DFlash draft for a target (see blockspec/train/trainer.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+
+from blockspec.errors import BlockspecError
+
+
+def _layer_ids(values: list[str]) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for item in values for v in item.split(",") if v.strip())
+    except ValueError as exc:
+        raise BlockspecError(f"--target-layer-ids {' '.join(values)!r}: expected integers, e.g. 1 8 14 20 27.") from exc
 
 
 def register(sub) -> None:
-    return None
+    p = sub.add_parser(
+        "train-draft", help="train a DFlash draft for a target (resumable, z-lab checkpoint format)",
+        description="Train a DFlash block-diffusion draft: frozen target, shared embedding/LM head, random anchors, "
+                    "block-bidirectional masks, position-decayed cross-entropy.")
+    a = p.add_argument
+    a("--target", "--model-path", dest="target", default="default",
+      help="HF target folder, or 'default' for the embedded SmolLM2-135M-Instruct")
+    a("--output", required=True, help="draft folder to write (config.json, model.safetensors, MODEL_CARD.md, "
+                                       "checkpoint/)")
+    a("--num-draft-layers", type=int, default=1)
+    a("--block-size", type=int, default=16)
+    a("--target-layer-ids", nargs="+", default=None, help="target layers to tap (default: 5 spread over 1..L-3)")
+    a("--num-target-features", type=int, default=5, help="how many target layers to tap by default")
+    a("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask token or a spare special token")
+    a("--mask-token", default=None)
+    a("--data", default="stdlib", help="comma list: stdlib, pydoc, responses:N, PATH.jsonl")
+    a("--tokens", type=int, default=None, help="cap on training-data tokens")
+    a("--steps", type=int, default=None, help="optimizer steps (default: --epochs over the data)")
+    a("--epochs", type=float, default=1.0)
+    a("--lr", type=float, default=6e-4)
+    a("--warmup-ratio", type=float, default=0.04)
+    a("--weight-decay", type=float, default=0.0)
+    a("--grad-clip", type=float, default=1.0)
+    a("--batch-size", type=int, default=4, help="sequences per step")
+    a("--seq-len", type=int, default=512)
+    a("--anchors-per-seq", type=int, default=32)
+    a("--loss-gamma", type=float, default=None, help="position decay (default 7/5/4 for block 16/10/8)")
+    a("--init", choices=["target", "random"], default="target")
+    a("--device", choices=["cpu", "cuda", "auto"], default="auto")
+    a("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default="auto",
+      help="target dtype for feature extraction and response generation")
+    a("--save-dtype", choices=["float32", "float16", "bfloat16"], default="float16")
+    a("--seed", type=int, default=0)
+    a("--resume", action="store_true", help="continue from OUTPUT/checkpoint")
+    a("--save-every", type=int, default=200)
+    a("--eval-every", type=int, default=100)
+    a("--eval-seqs", type=int, default=16)
+    a("--eval-anchors", type=int, default=16)
+    a("--response-tokens", type=int, default=256, help="max new tokens per on-policy response")
+    a("--gen-batch-size", type=int, default=8)
+    a("--extract-batch-size", type=int, default=4)
+    a("--cache-dir", default=None, help="feature/response cache (default $BLOCKSPEC_HOME/train-cache)")
+    a("--stop-after-steps", type=int, default=None, help="stop with a checkpoint after N steps (then --resume)")
+    a("--json", action="store_true", help="print a JSON summary on stdout")
+    p.set_defaults(func=run_train)
+
+
+def run_train(args: argparse.Namespace) -> None:
+    from blockspec.train.config import TrainConfig
+    from blockspec.train.trainer import train
+
+    skip = {"command", "func", "json"}
+    options = {k: v for k, v in vars(args).items() if k not in skip}
+    if options["target_layer_ids"] is not None:
+        options["target_layer_ids"] = _layer_ids(options["target_layer_ids"])
+    cfg = TrainConfig(**options, command="blockspec " + shlex.join(sys.argv[1:]))
+    summary = train(cfg)
+    summary.pop("history", None)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"wrote {cfg.output} (step {summary['step']}/{summary['total_steps']}, held-out tau "
+              f"{summary['heldout_tau']:.3f})", file=sys.stderr)

@@ -1,0 +1,176 @@
+"""Training configuration (validated when constructed) and the draft it describes: config + initial weights."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+from blockspec.config import ModelConfig
+from blockspec.errors import BlockspecError
+from blockspec.models.draft import DFlashDraft
+from blockspec.models.target import CausalLM
+from blockspec.spec.draft_config import DraftConfig, default_target_layer_ids, resolve_draft_config
+
+SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Tried in order when no --mask-token(-id) is given: dedicated mask tokens, then rarely used specials.
+MASK_CANDIDATES = ("<|mask|>", "<mask>", "[MASK]", "<|MASK|>", "<empty_output>")
+# Fields that may change between a run and its --resume (they do not affect the trained weights).
+FINAL_NORM_SCALE = 0.3
+RESUMABLE_CHANGES = {"output", "resume", "save_every", "eval_every", "stop_after_steps", "device", "cache_dir",
+                     "command", "extract_batch_size", "gen_batch_size"}
+
+
+@dataclass
+class TrainConfig:
+    output: Path
+    target: str = "default"  # an HF folder, or "default" for the embedded SmolLM2-135M-Instruct
+    num_draft_layers: int = 1
+    block_size: int = 16
+    target_layer_ids: tuple[int, ...] | None = None  # default: default_target_layer_ids(L, num_target_features)
+    num_target_features: int = 5
+    mask_token_id: int | None = None
+    mask_token: str | None = None
+    data: str = "stdlib"
+    tokens: int | None = None  # cap on training-data tokens (features extracted and trained on)
+    steps: int | None = None  # default: epochs over the data
+    epochs: float = 1.0
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    batch_size: int = 4
+    seq_len: int = 512
+    anchors_per_seq: int = 32
+    loss_gamma: float | None = None
+    init: str = "target"  # "target": draft layers start as the target's top layers; "random"
+    device: str = "auto"
+    dtype: str = "auto"  # target dtype for feature extraction / response generation
+    save_dtype: str = "float16"
+    seed: int = 0
+    resume: bool = False
+    save_every: int = 200
+    eval_every: int = 100
+    eval_seqs: int = 16
+    eval_anchors: int = 16
+    response_tokens: int = 256
+    gen_batch_size: int = 8
+    extract_batch_size: int = 4
+    cache_dir: Path | None = None
+    stop_after_steps: int | None = None  # stop early (checkpoint saved) after this many steps in this invocation
+    command: str = ""
+
+    def __post_init__(self) -> None:
+        self.output = Path(self.output)
+        self.cache_dir = None if self.cache_dir is None else Path(self.cache_dir)
+        positive = ["num_draft_layers", "block_size", "num_target_features", "batch_size", "seq_len",
+                    "anchors_per_seq", "save_every", "eval_every", "eval_seqs", "eval_anchors",
+                    "response_tokens", "gen_batch_size", "extract_batch_size"]
+        optional = ["tokens", "steps", "stop_after_steps"]
+        for name in positive + optional:
+            value = getattr(self, name)
+            if value is None and name in optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise BlockspecError(f"train-draft: --{name.replace('_', '-')}={value!r} must be an integer >= 1.")
+        if self.block_size < 2:
+            raise BlockspecError(f"train-draft: --block-size={self.block_size} must be >= 2 (anchor + >= 1 prediction).")
+        if self.seq_len < 32:
+            raise BlockspecError(f"train-draft: --seq-len={self.seq_len} must be >= 32.")
+        for name, low, high in (("lr", 0.0, 1.0), ("epochs", 0.0, math.inf), ("grad_clip", 0.0, math.inf)):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not low < value < high:
+                raise BlockspecError(f"train-draft: --{name.replace('_', '-')}={value!r} must be in ({low}, {high}).")
+        if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.weight_decay < 1.0:
+            raise BlockspecError(f"train-draft: --warmup-ratio={self.warmup_ratio} and --weight-decay="
+                                 f"{self.weight_decay} must be in [0, 1).")
+        if self.loss_gamma is not None and not self.loss_gamma > 0:
+            raise BlockspecError(f"train-draft: --loss-gamma={self.loss_gamma} must be > 0.")
+        if self.init not in ("target", "random"):
+            raise BlockspecError(f"train-draft: --init={self.init!r}; use 'target' or 'random'.")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise BlockspecError(f"train-draft: --save-dtype={self.save_dtype!r}; use one of {sorted(SAVE_DTYPES)}.")
+        if self.target_layer_ids is not None:
+            self.target_layer_ids = tuple(self.target_layer_ids)
+
+    def fingerprint(self) -> dict:
+        """The fields a --resume must keep unchanged."""
+        return {f.name: str(getattr(self, f.name)) for f in fields(self) if f.name not in RESUMABLE_CHANGES}
+
+    def to_dict(self) -> dict:
+        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
+
+
+def pick_mask_token(tokenizer, vocab_size: int) -> tuple[str | None, int]:
+    """An existing token for the MASK slots (the embedding is frozen, so no new row can be trained):
+    a dedicated mask token if the tokenizer has one, else the first embedding row past the tokenizer's
+    vocabulary (padding rows, as z-lab's Qwen3 drafts use), else a rarely used special token."""
+    if tokenizer is not None:
+        for token in MASK_CANDIDATES[:4]:
+            if (i := tokenizer.token_to_id(token)) is not None and i < vocab_size:
+                return token, i
+        if tokenizer.vocab_size < vocab_size:
+            return None, tokenizer.vocab_size
+        for token in MASK_CANDIDATES[4:]:
+            if (i := tokenizer.token_to_id(token)) is not None and i < vocab_size:
+                return token, i
+    raise BlockspecError(
+        "train-draft: cannot pick a mask token: the target's tokenizer has no mask or spare token. Pass "
+        "--mask-token-id with an existing, rarely used special token id (blockspec never adds new tokens).")
+
+
+def make_draft_config(cfg: TrainConfig, target: ModelConfig, tokenizer) -> DraftConfig:
+    """Build the z-lab config.json content for the new draft and resolve it through the same
+    validation every loaded draft goes through."""
+    token, token_id = cfg.mask_token, cfg.mask_token_id
+    if token_id is None and token is None:
+        token, token_id = pick_mask_token(tokenizer, target.vocab_size)
+    ids = cfg.target_layer_ids or default_target_layer_ids(target.num_hidden_layers, cfg.num_target_features)
+    dflash: dict = {"target_layer_ids": list(ids)}
+    if token_id is not None:
+        dflash["mask_token_id"] = token_id
+    if token is not None:
+        dflash["mask_token"] = token
+    raw = {
+        "architectures": ["DFlashDraftModel"], "hidden_size": target.hidden_size,
+        "num_hidden_layers": cfg.num_draft_layers, "num_attention_heads": target.num_attention_heads,
+        "num_key_value_heads": target.num_key_value_heads, "head_dim": target.head_dim,
+        "intermediate_size": target.intermediate_size, "rms_norm_eps": target.rms_norm_eps,
+        "rope_theta": target.rope_theta, "rope_scaling": target.rope_scaling,
+        "max_position_embeddings": target.max_position_embeddings,
+        "num_target_layers": target.num_hidden_layers, "block_size": cfg.block_size, "dflash_config": dflash,
+    }
+    token_to_id = tokenizer.token_to_id if tokenizer is not None else None
+    return resolve_draft_config(raw, target=target, source="train-draft arguments", token_to_id=token_to_id)
+
+
+@torch.no_grad()
+def init_draft(draft: DFlashDraft, target: CausalLM, how: str, generator: torch.Generator) -> None:
+    """'random': small normal weights, unit norms. 'target': draft layer i starts as target layer
+    L-n+i (the top layers) and `fc` picks the last tapped feature, so an untrained draft already reads
+    the deepest tapped hidden state as its context. Both: the final norm is the target's, scaled down."""
+    for name, p in draft.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+    # The final norm feeds the shared LM head (often tied to the embedding), which turns unit-RMS states
+    # into very large logits: an untrained draft would be confidently wrong (SmolLM2: loss 17 with the
+    # target's norm, 70 with ones, ~9.4 at 0.3x), and Adam moves a weight only ~lr per step. Start soft.
+    draft.norm.weight.copy_(target.norm.weight * FINAL_NORM_SCALE)
+    if how != "target":
+        return
+    n, big_l, h = len(draft.layers), len(target.layers), draft.config.hidden_size
+    for i, layer in enumerate(draft.layers):
+        src = target.layers[big_l - n + i]
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj",
+                     "input_layernorm", "post_attention_layernorm"):
+            layer.get_submodule(name).weight.copy_(src.get_submodule(name).weight)
+        if src.self_attn.q_norm is not None:
+            layer.self_attn.q_norm.weight.copy_(src.self_attn.q_norm.weight)
+            layer.self_attn.k_norm.weight.copy_(src.self_attn.k_norm.weight)
+    draft.fc.weight.zero_()
+    draft.fc.weight[:, -h:] = torch.eye(h)
+    draft.hidden_norm.weight.copy_(draft.layers[0].input_layernorm.weight)

@@ -1,0 +1,195 @@
+"""Precomputed target features and labels, cached on disk and reused across runs.
+
+One forward of the frozen target over a sequence yields both the draft's conditioning (the hidden
+states after the `target_layer_ids` layers, concatenated; float16 on disk) and the labels (the
+target's argmax next token at every position). A store is a folder of append-only shards
+(`shard_NNNNN.{ids,labels,features,offsets,starts}.npy`, memory-mapped when read) plus meta.json,
+keyed by target identity + layer ids + data spec + sequence length + extraction dtype, so a larger
+`--tokens` or an interrupted extraction continues where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from blockspec.engine.kv_cache import Batch
+from blockspec.models.target import CausalLM
+from blockspec.train.data import TrainSequence
+
+FORMAT_VERSION = 1
+PARTS = ("ids", "labels", "features", "offsets", "starts")
+
+
+def target_identity(target_path: Path) -> dict:
+    """What makes two targets the same for feature caching: config.json and the weight files' sizes/mtimes."""
+    files = sorted(target_path.glob("*.safetensors"))
+    return {"path": str(target_path.resolve()),
+            "config": hashlib.sha256((target_path / "config.json").read_bytes()).hexdigest(),
+            "weights": [(f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in files]}
+
+
+def cache_key(**fields) -> str:
+    blob = json.dumps({"version": FORMAT_VERSION, **fields}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@torch.inference_mode()
+def target_features(
+    target: CausalLM, seqs: list[TrainSequence], capture: tuple[int, ...], logit_rows: int = 128,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """One batched causal forward (right padding never affects earlier positions) ->
+    per sequence (features float16 [T, K*H], labels int32 [T]).
+
+    Labels are the target's argmax at every position. On teacher-forced text this approximates the
+    greedy continuation the draft must predict at inference (the argmax after the real prefix, not
+    after the target's own greedy prefix); on on-policy responses (the target's own greedy output)
+    the labels are the response's next tokens, which is exact."""
+    device = target.embed_tokens.weight.device
+    longest = max(len(s.ids) for s in seqs)
+    ids = torch.zeros(len(seqs), longest, dtype=torch.long)
+    for row, s in enumerate(seqs):
+        ids[row, : len(s.ids)] = torch.tensor(s.ids)
+    ids = ids.to(device)
+    cache = target.new_cache(len(seqs), longest)
+    hidden, feats = target(ids, Batch(list(range(len(seqs))), [0] * len(seqs)), cache, capture)
+    argmax = torch.cat([target.logits(hidden[:, i : i + logit_rows]).argmax(-1)
+                        for i in range(0, longest, logit_rows)], dim=1)
+    out = []
+    for row, s in enumerate(seqs):
+        n = len(s.ids)
+        labels = argmax[row, :n].to(torch.int32).cpu().numpy()
+        if s.on_policy:  # the response is the target's greedy output: its next tokens are the labels
+            labels[s.start : n - 1] = np.asarray(s.ids[s.start + 1 :], dtype=np.int32)
+        fp16 = feats[row, :n].clamp(-65504, 65504).to(torch.float16)  # rare massive activations: no inf
+        out.append((fp16.cpu().numpy(), labels))
+    return out
+
+
+class FeatureStore:
+    """Append-only, memory-mapped shards of (token ids, labels, features, anchor starts) per sequence."""
+
+    def __init__(self, folder: Path, key_fields: dict) -> None:
+        self.folder = folder
+        self.meta_path = folder / "meta.json"
+        if self.meta_path.is_file():
+            self.meta = json.loads(self.meta_path.read_text())
+        else:
+            self.meta = {"key": key_fields, "shards": [], "exhausted": False}
+        self._shards: list[dict[str, np.ndarray]] = []
+        self._index: list[tuple[int, int]] = []  # sequence -> (shard, row)
+        self._lengths: list[int] = []
+        for i, _ in enumerate(self.meta["shards"]):
+            self._open(i)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._index)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s["tokens"] for s in self.meta["shards"])
+
+    @property
+    def exhausted(self) -> bool:
+        return bool(self.meta["exhausted"])
+
+    def _path(self, shard: int, part: str) -> Path:
+        return self.folder / f"shard_{shard:05d}.{part}.npy"
+
+    def _open(self, shard: int) -> None:
+        arrays = {p: np.load(self._path(shard, p), mmap_mode="r") for p in PARTS}
+        self._shards.append(arrays)
+        self._index.extend((shard, row) for row in range(len(arrays["starts"])))
+        self._lengths.extend(np.diff(arrays["offsets"]).tolist())
+
+    def _write_meta(self) -> None:
+        tmp = self.meta_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.meta, indent=1))
+        os.replace(tmp, self.meta_path)
+
+    def append(self, items: list[tuple[TrainSequence, np.ndarray, np.ndarray]]) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        shard = len(self.meta["shards"])
+        lengths = [len(s.ids) for s, _, _ in items]
+        arrays = {
+            "ids": np.concatenate([np.asarray(s.ids, dtype=np.int32) for s, _, _ in items]),
+            "labels": np.concatenate([labels for _, _, labels in items]),
+            "features": np.concatenate([feats for _, feats, _ in items]),
+            "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            "starts": np.asarray([s.start for s, _, _ in items], dtype=np.int32),
+        }
+        for part, array in arrays.items():
+            np.save(self._path(shard, part), array)
+        self.meta["shards"].append({"sequences": len(items), "tokens": int(sum(lengths))})
+        self._write_meta()
+        self._open(shard)
+
+    def mark_exhausted(self) -> None:
+        self.meta["exhausted"] = True
+        self._write_meta()
+
+    def get(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """(ids int32 [T], labels int32 [T], features float16 [T, K*H] (memory-mapped), start)."""
+        shard, row = self._index[index]
+        a = self._shards[shard]
+        lo, hi = int(a["offsets"][row]), int(a["offsets"][row + 1])
+        return a["ids"][lo:hi], a["labels"][lo:hi], a["features"][lo:hi], int(a["starts"][row])
+
+    def prefix(self, max_tokens: int | None, max_sequences: int | None) -> int:
+        """How many leading sequences a run capped at max_tokens / max_sequences uses."""
+        count, total = 0, 0
+        for length in self._lengths:
+            if (max_sequences is not None and count >= max_sequences) or \
+                    (max_tokens is not None and total >= max_tokens):
+                break
+            count, total = count + 1, total + length
+        return count
+
+
+def extract(
+    store: FeatureStore, sequences: Iterator[TrainSequence], target: CausalLM, capture: tuple[int, ...],
+    max_tokens: int | None, max_sequences: int | None, batch_size: int, desc: str, shard_sequences: int = 64,
+) -> dict:
+    """Extend `store` until it holds max_tokens tokens / max_sequences sequences or the data runs out.
+    Returns {"tokens": newly extracted, "seconds": ..., "tokens_per_s": ...}."""
+    sequences = itertools.islice(sequences, store.num_sequences, None)  # already stored: skip
+    done_tokens, start_time = 0, time.perf_counter()
+
+    def wanted() -> bool:
+        return not store.exhausted and (max_tokens is None or store.num_tokens < max_tokens) and \
+            (max_sequences is None or store.num_sequences < max_sequences)
+
+    with tqdm(total=max_tokens, initial=store.num_tokens, desc=desc,
+              unit="tok", unit_scale=True, disable=not wanted()) as bar:
+        while wanted():
+            room = shard_sequences if max_sequences is None else min(shard_sequences,
+                                                                     max_sequences - store.num_sequences)
+            chunk, tokens = [], store.num_tokens
+            for seq in sequences:
+                chunk.append(seq)
+                tokens += len(seq.ids)
+                if len(chunk) >= room or (max_tokens is not None and tokens >= max_tokens):
+                    break
+            if not chunk:
+                store.mark_exhausted()
+                break
+            items = []
+            for i in range(0, len(chunk), batch_size):
+                part = chunk[i : i + batch_size]
+                for seq, (feats, labels) in zip(part, target_features(target, part, capture)):
+                    items.append((seq, feats, labels))
+                bar.update(sum(len(s.ids) for s in part))
+            store.append(items)
+            done_tokens += sum(len(s.ids) for s in chunk)
+    seconds = time.perf_counter() - start_time
+    return {"tokens": done_tokens, "seconds": seconds, "tokens_per_s": done_tokens / seconds if seconds else 0.0}

@@ -1,0 +1,76 @@
+"""MODEL_CARD.md written next to a trained draft: what it is, how it was trained, how well it does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from blockspec.spec.draft_config import DraftConfig
+from blockspec.train.config import TrainConfig
+from blockspec.train.data import HELDOUT_MODULES, DataSpec
+from blockspec.train.objective import default_gamma
+
+SOURCE_TEXT = {
+    "stdlib": "CPython standard-library source (.py, test directories and held-out modules excluded), "
+              "teacher-forced: labels are the target's argmax next token",
+    "pydoc": "Python 3.11 documentation sources (Debian python3.11-doc .rst.txt), teacher-forced",
+}
+
+
+def _source(source: str) -> str:
+    if source.startswith("responses:"):
+        return (f"{source.split(':')[1]} on-policy greedy responses of the target to prompts built from stdlib "
+                f"code snippets (explain / document / continue / review / test / rewrite); labels are the "
+                f"responses' own next tokens")
+    return SOURCE_TEXT.get(source, f"{source} (JSONL, teacher-forced)")
+
+
+def _fmt(value) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def write_model_card(path: Path, cfg: TrainConfig, draft: DraftConfig, target: Path, spec: DataSpec,
+                     stats: dict) -> None:
+    history = stats.get("history", [])
+    evals = [r for r in history if "heldout_tau" in r]
+    last = evals[-1] if evals else {}
+    lines = [
+        f"# DFlash draft for `{target.name}`", "",
+        "A block-diffusion speculative-decoding draft (z-lab checkpoint format) trained with "
+        "`blockspec train-draft`. Use it with:", "",
+        "```", f"blockspec generate{'' if cfg.target == 'default' else f' --model-path {target}'} "
+        f"--draft-model-path {cfg.output}", "```", "",
+        "## Architecture", "",
+        f"- {draft.num_hidden_layers} draft layer(s), hidden {draft.hidden_size}, {draft.num_attention_heads} heads / "
+        f"{draft.num_key_value_heads} KV heads, head_dim {draft.head_dim}, intermediate {draft.intermediate_size}",
+        f"- block size {draft.block_size}; target features from layers {list(draft.target_layer_ids)} "
+        f"(HF hidden_states[id + 1]); mask token id {draft.mask_token_id}"
+        + (f" (`{draft.mask_token}`)" if draft.mask_token else ""),
+        "- shares the target's frozen embedding and LM head; initialised from "
+        + ("the target's top layers" if cfg.init == "target" else "random weights"), "",
+        "## Training", "",
+        "```", cfg.command or "(called from Python)", "```", "",
+        *[f"- data: {_source(s)}" for s in spec.sources],
+        f"- {stats.get('train_sequences')} training sequences, {stats.get('train_tokens')} tokens "
+        f"(sequence length <= {cfg.seq_len}); held-out: {stats.get('eval_sequences')} sequences from the "
+        f"{', '.join(HELDOUT_MODULES)} modules / docs (never trained on). No benchmark prompts "
+        f"(HumanEval, MT-Bench) or their answers were used.",
+        f"- {stats.get('step')} of {stats.get('total_steps')} steps, batch {cfg.batch_size} sequences x "
+        f"{cfg.anchors_per_seq} random anchors; AdamW lr {cfg.lr}, cosine schedule, warm-up ratio "
+        f"{cfg.warmup_ratio}, grad clip {cfg.grad_clip}; loss decay gamma "
+        f"{cfg.loss_gamma or default_gamma(draft.block_size)}",
+        f"- machine: {stats.get('machine')}",
+    ]
+    for key, label in (("extract_train", "feature extraction"), ("train", "training")):
+        if key in stats:
+            s = stats[key]
+            lines.append(f"- {label}: {s.get('tokens', s.get('sequence_tokens'))} tokens in "
+                         f"{s['seconds']:.0f} s ({s['tokens_per_s']:.0f} tokens/s) in the last invocation")
+    lines += ["", "## Held-out acceptance", "",
+              f"Estimated tau (mean accepted tokens per verify step, greedy, including the bonus token): "
+              f"**{_fmt(last.get('heldout_tau', float('nan')))}** at step {last.get('step', '-')} over "
+              f"{last.get('heldout_blocks', 0)} sampled blocks. It counts the leading block slots where the "
+              f"draft's argmax equals the label; on teacher-forced text the label is the target's argmax after the "
+              f"real prefix, so this estimates rather than measures tau. `blockspec bench` measures the real thing.",
+              "", "| step | train loss | acc@1 | held-out tau |", "|---|---|---|---|"]
+    lines += [f"| {r['step']} | {_fmt(r['loss'])} | {_fmt(r['acc1'])} | {_fmt(r['heldout_tau'])} |" for r in evals]
+    path.write_text("\n".join(lines) + "\n")

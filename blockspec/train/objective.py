@@ -1,0 +1,162 @@
+"""The DFlash training objective: random anchors, blocks, the block-sparse training mask, the loss.
+
+For a sequence of T tokens with target features f[0..T) and labels y[0..T) (y[t] = the target's
+greedy next token after position t), an anchor a starts the block
+    ids       [x[a], MASK, ..., MASK]              (B slots)
+    positions  a,    a+1,  ..., a+B-1              (absolute, for RoPE, as at inference)
+    labels     -,    y[a], ..., y[a+B-2]           (slot k predicts the token at position a+k)
+The block sees the context features at positions < a (at inference the anchor, i.e. the bonus
+token, is not yet in the context) and its own B slots bidirectionally; never another block. Many
+blocks of one sequence are trained in one pass. Label positions past the sequence end are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100
+PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # DFlash paper's position-decay constants per block size
+
+
+def default_gamma(block_size: int) -> float:
+    """The paper's gamma for B in {8, 10, 16}; other sizes get the same ~0.45*B scaling."""
+    return PAPER_GAMMA.get(block_size, max(1.0, round(0.45 * block_size, 1)))
+
+
+def loss_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for the predicted slots k = 1..B-1 (float32 [B-1])."""
+    gamma = default_gamma(block_size) if gamma is None else gamma
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def anchor_bounds(length: int, start: int) -> tuple[int, int]:
+    """Inclusive range [lo, hi] of valid anchors: a >= max(1, start) (some context, inside the
+    response) and a + 1 <= length - 1 (at least one label). Empty when lo > hi."""
+    return max(1, start), length - 2
+
+
+def sample_anchors(
+    lengths: list[int], starts: list[int], count: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` distinct random anchors per sequence, sorted: (anchors [b, count] long, valid [b, count]).
+    Sequences with fewer valid positions get all of them; the rest of their row is padding (valid False)."""
+    anchors = torch.zeros(len(lengths), count, dtype=torch.long)
+    valid = torch.zeros(len(lengths), count, dtype=torch.bool)
+    for row, (length, start) in enumerate(zip(lengths, starts)):
+        lo, hi = anchor_bounds(length, start)
+        span = hi - lo + 1
+        if span <= 0:
+            continue
+        pick = torch.randperm(span, generator=generator)[:count].sort().values + lo
+        anchors[row, : len(pick)] = pick
+        valid[row, : len(pick)] = True
+    return anchors, valid
+
+
+@dataclass
+class Blocks:
+    """Many blocks per sequence, flattened to n = count * B rows per sequence."""
+
+    input_ids: torch.Tensor  # [b, n] anchor token then MASKs, per block
+    positions: torch.Tensor  # [b, n] absolute positions a..a+B-1
+    labels: torch.Tensor  # [b, count, B-1] target tokens for slots 1..B-1, IGNORE where absent
+    mask: torch.Tensor  # bool [b, n, T + n] over keys [context (T); blocks (n)]
+    valid: torch.Tensor  # bool [b, count] real (non-padding) blocks
+
+
+def training_mask(anchors: torch.Tensor, block_size: int, ctx_len: int) -> torch.Tensor:
+    """bool [b, count*B, ctx_len + count*B]: the rows of block j see context keys at positions < a_j
+    and the B keys of block j; nothing else. Padding blocks (any anchor) see the same pattern, so no
+    row is ever fully masked."""
+    b, count = anchors.shape
+    n = count * block_size
+    row_anchor = anchors.repeat_interleave(block_size, dim=1)  # [b, n]
+    ctx = torch.arange(ctx_len, device=anchors.device).view(1, 1, -1) < row_anchor.unsqueeze(-1)
+    block_of = torch.arange(n, device=anchors.device) // block_size
+    own = (block_of.view(-1, 1) == block_of.view(1, -1)).expand(b, n, n)
+    return torch.cat([ctx, own], dim=-1)
+
+
+def build_blocks(
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    lengths: list[int],
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+) -> Blocks:
+    """ids, labels: [b, T] (right-padded); anchors/valid from `sample_anchors`."""
+    b, count = anchors.shape
+    offsets = torch.arange(block_size, device=ids.device)
+    positions = anchors.unsqueeze(-1) + offsets  # [b, count, B]
+    input_ids = torch.full((b, count, block_size), mask_token_id, dtype=ids.dtype, device=ids.device)
+    input_ids[:, :, 0] = ids.gather(1, anchors)
+    label_pos = positions[:, :, 1:]  # slot k predicts the token at position a+k, i.e. labels[a+k-1]
+    length = torch.tensor(lengths, device=ids.device).view(-1, 1, 1)
+    present = (label_pos <= length - 1) & valid.unsqueeze(-1)
+    gathered = labels.gather(1, (label_pos - 1).clamp(max=labels.shape[1] - 1).view(b, -1)).view_as(label_pos)
+    block_labels = torch.where(present, gathered, torch.full_like(gathered, IGNORE))
+    return Blocks(
+        input_ids=input_ids.view(b, -1),
+        positions=positions.view(b, -1),
+        labels=block_labels,
+        mask=training_mask(anchors, block_size, ids.shape[1]),
+        valid=valid,
+    )
+
+
+def block_logits(hidden: torch.Tensor, lm_head: torch.nn.Module, block_size: int, rows: torch.Tensor) -> torch.Tensor:
+    """Logits for the selected predicted slots: hidden [b, count*B, H] -> [rows.sum(), V] (float32)."""
+    b = hidden.shape[0]
+    predicted = hidden.view(b, -1, block_size, hidden.shape[-1])[:, :, 1:]  # [b, count, B-1, H]
+    return lm_head(predicted[rows]).float()
+
+
+def dflash_loss(
+    hidden: torch.Tensor, lm_head: torch.nn.Module, blocks: Blocks, weights: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Position-decayed cross-entropy over the predicted slots; the LM head runs on labelled rows only."""
+    block_size = weights.numel() + 1
+    rows = blocks.labels != IGNORE  # [b, count, B-1]
+    if not rows.any():
+        return hidden.sum() * 0.0, {"loss": 0.0, "acc1": 0.0}
+    logits = block_logits(hidden, lm_head, block_size, rows)
+    target = blocks.labels[rows]
+    w = weights.to(hidden.device).expand_as(rows)[rows]
+    ce = F.cross_entropy(logits, target, reduction="none")
+    loss = (ce * w).sum() / w.sum()
+    with torch.no_grad():  # top-1 accuracy of the first predicted slot (the one verified first)
+        first = torch.arange(block_size - 1, device=rows.device).expand_as(rows)[rows] == 0
+        hits = (logits.argmax(-1) == target)[first]
+        acc1 = hits.float().mean().item() if hits.numel() else 0.0
+    return loss, {"loss": loss.item(), "acc1": acc1}
+
+
+def greedy_accept_lengths(
+    hidden: torch.Tensor, lm_head: torch.nn.Module, blocks: Blocks
+) -> torch.Tensor:
+    """Accepted length per complete block under greedy verification against the labels:
+    1 (the anchor / bonus) + the number of leading slots where draft argmax == label.
+    Blocks whose labels run past the sequence end are skipped. Returns float [num_complete]."""
+    complete = (blocks.labels != IGNORE).all(-1) & blocks.valid  # [b, count]
+    if not complete.any():
+        return torch.zeros(0)
+    block_size = blocks.labels.shape[-1] + 1
+    rows = complete.unsqueeze(-1).expand_as(blocks.labels)
+    predicted = block_logits(hidden, lm_head, block_size, rows).argmax(-1).view(-1, block_size - 1)
+    hits = (predicted == blocks.labels[complete]).long()
+    return 1.0 + hits.cumprod(dim=-1).sum(-1).float()
+
+
+def cosine_with_warmup(step: int, total: int, warmup: int) -> float:
+    """LR multiplier: linear warm-up to 1 over `warmup` steps, then cosine decay to 0 at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))

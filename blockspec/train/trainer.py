@@ -1,0 +1,253 @@
+"""The draft training loop: data and features, AdamW + cosine/warm-up + clipping, held-out tau,
+resumable checkpoints, z-lab output with a model card.
+
+Determinism: the batch order of step s and its anchors are functions of (seed, s) alone, so a run
+resumed from a checkpoint (weights, optimizer, scheduler, step, RNG states) continues exactly as
+an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from blockspec.config import ModelConfig
+from blockspec.errors import BlockspecError
+from blockspec.llm import resolve_dtype
+from blockspec.models.draft import DFlashDraft
+from blockspec.models.gguf_convert import blockspec_home, ensure_default_model
+from blockspec.models.loader import load_target, save_draft
+from blockspec.models.tokenizer import Tokenizer
+from blockspec.spec.draft_config import resolve_device
+from blockspec.train import data as D
+from blockspec.train.config import SAVE_DTYPES, TrainConfig, init_draft, make_draft_config
+from blockspec.train.features import FeatureStore, cache_key, extract, target_identity
+from blockspec.train.model_card import write_model_card
+from blockspec.train.objective import (build_blocks, cosine_with_warmup, dflash_loss, greedy_accept_lengths,
+                                       loss_weights, sample_anchors)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.target_path = ensure_default_model() if cfg.target == "default" else Path(cfg.target).expanduser()
+        self.target_cfg = ModelConfig.from_folder(self.target_path)
+        has_tok = (self.target_path / "tokenizer.json").is_file()
+        self.tokenizer = Tokenizer.from_folder(self.target_path) if has_tok else None
+        self.draft_cfg = make_draft_config(cfg, self.target_cfg, self.tokenizer)
+        self.spec = D.DataSpec.parse(cfg.data)
+        if self.tokenizer is None and any(not s.endswith(".jsonl") for s in self.spec.sources):
+            raise BlockspecError(f"train-draft: {self.target_path}/tokenizer.json is missing, and --data {cfg.data!r} "
+                                 f"needs it to tokenize text. Add the tokenizer, or pass a .jsonl of token_ids.")
+        self.stats: dict = {}
+        self.state_path = cfg.output / "checkpoint" / "state.pt"
+        if self.state_path.is_file() and not cfg.resume:
+            raise BlockspecError(f"{cfg.output} already holds a training checkpoint ({self.state_path}). Pass "
+                                 f"--resume to continue it, or choose another --output.")
+
+    # ---- data -------------------------------------------------------------------------------
+    def prepare_data(self) -> None:
+        cfg = self.cfg
+        tdtype = resolve_dtype(cfg.dtype, self.device)
+        root = cfg.cache_dir or blockspec_home() / "train-cache"
+        ident = target_identity(self.target_path)
+        responses = {source: self.responses(source, root, ident, str(tdtype))
+                     for source in self.spec.sources if source.startswith("responses:")}
+        self.target = load_target(self.target_path, tdtype, self.device)
+        capture = self.draft_cfg.target_layer_ids
+        self.stores = {}
+        for split, heldout in (("train", False), ("eval", True)):
+            fields = dict(target=ident, layer_ids=list(capture), data=list(self.spec.sources), seq_len=cfg.seq_len,
+                          seed=cfg.seed, dtype=str(tdtype), split=split, response_tokens=cfg.response_tokens)
+            store = FeatureStore(root / "features" / cache_key(**fields), fields)
+            split_rows = {k: v[heldout] for k, v in responses.items()}
+            seqs = D.iter_sequences(self.spec, self.tokenizer, cfg.seq_len, cfg.seed, heldout, split_rows)
+            limit = (cfg.tokens, None) if split == "train" else (None, cfg.eval_seqs)
+            got = extract(store, seqs, self.target, capture, *limit, cfg.extract_batch_size,
+                          desc=f"target features ({split})")
+            if got["tokens"]:
+                self.stats[f"extract_{split}"] = got
+            self.stores[split] = store
+        self.num_train = self.stores["train"].prefix(cfg.tokens, None)
+        self.num_eval = self.stores["eval"].prefix(None, cfg.eval_seqs)
+        if self.num_train == 0:
+            raise BlockspecError(f"train-draft: --data {cfg.data!r} yielded no training sequences.")
+        self.train_tokens = sum(len(self.stores["train"].get(i)[0]) for i in range(self.num_train))
+
+    def responses(self, source: str, root: Path, ident: dict, tdtype: str) -> dict[bool, list[dict]]:
+        """On-policy responses for a "responses:N" source: N for training (held-out False) and
+        eval_seqs // 2 to prompts from the held-out modules (held-out True), generated once and cached."""
+        cfg = self.cfg
+        key = cache_key(target=ident, seed=cfg.seed, seq_len=cfg.seq_len, dtype=tdtype,
+                        response_tokens=cfg.response_tokens)
+        counts = {False: int(source.split(":")[1]), True: max(1, cfg.eval_seqs // 2)}
+        return {heldout: D.ensure_responses(
+            root / "responses" / f"{key}-{'eval' if heldout else 'train'}.jsonl", self.target_path, count, heldout,
+            cfg.seq_len, cfg.response_tokens, cfg.seed, str(self.device), cfg.dtype, cfg.gen_batch_size)
+            for heldout, count in counts.items()}
+
+    def batch(self, split: str, indices: list[int]) -> tuple:
+        rows = [self.stores[split].get(i) for i in indices]
+        lengths, starts = [len(r[0]) for r in rows], [r[3] for r in rows]
+        t, width = max(lengths), rows[0][2].shape[1]
+        ids = torch.zeros(len(rows), t, dtype=torch.long)
+        labels = torch.zeros(len(rows), t, dtype=torch.long)
+        feats = torch.zeros(len(rows), t, width, dtype=torch.float16)
+        for i, (x, y, f, _) in enumerate(rows):  # copies out of the read-only memory maps
+            ids[i, : len(x)] = torch.from_numpy(x.astype(np.int64))
+            labels[i, : len(x)] = torch.from_numpy(y.astype(np.int64))
+            feats[i, : len(x)] = torch.from_numpy(np.array(f))
+        dev = self.device
+        return ids.to(dev), labels.to(dev), feats.to(dev).float(), lengths, starts
+
+    def step_indices(self, step: int) -> list[int]:
+        """Sequences of `step`: consecutive slices of per-epoch permutations seeded by (seed, epoch)."""
+        n, out = self.num_train, []
+        for i in range(step * self.cfg.batch_size, (step + 1) * self.cfg.batch_size):
+            epoch = i // n
+            if epoch not in self._perms:
+                self._perms = {epoch: torch.randperm(n, generator=torch.Generator().manual_seed(
+                    self.cfg.seed * 7919 + epoch))}
+            out.append(int(self._perms[epoch][i % n]))
+        return out
+
+    # ---- model ------------------------------------------------------------------------------
+    def forward(self, split: str, indices: list[int], count: int, generator: torch.Generator):
+        ids, labels, feats, lengths, starts = self.batch(split, indices)
+        anchors, valid = sample_anchors(lengths, starts, count, generator)
+        blocks = build_blocks(ids, labels, lengths, anchors.to(self.device), valid.to(self.device),
+                              self.draft_cfg.block_size, self.draft_cfg.mask_token_id)
+        ctx_pos = torch.arange(ids.shape[1], device=self.device).expand(ids.shape[0], -1)
+        embeds = self.target.embed_tokens(blocks.input_ids).float()
+        hidden = self.draft.forward_train(embeds, blocks.positions, feats, ctx_pos, blocks.mask)
+        return hidden, blocks, sum(lengths)
+
+    def amp(self):
+        """bf16 autocast on CUDA (fp32 master weights); plain fp32 on CPU."""
+        return torch.autocast("cuda", torch.bfloat16, enabled=self.device.type == "cuda")
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out tau estimate: mean over sampled anchors of 1 + leading slots where the draft's argmax
+        equals the label (exactly greedy tau on on-policy labels; an estimate on teacher-forced text)."""
+        gen, accepted = torch.Generator().manual_seed(self.cfg.seed + 4242), []
+        for i in range(0, self.num_eval, self.cfg.batch_size):
+            indices = list(range(i, min(self.num_eval, i + self.cfg.batch_size)))
+            with self.amp():
+                hidden, blocks, _ = self.forward("eval", indices, self.cfg.eval_anchors, gen)
+                accepted.append(greedy_accept_lengths(hidden, self.target.lm_head, blocks).cpu())
+        lengths = torch.cat(accepted) if accepted else torch.zeros(0)
+        return {"tau": lengths.mean().item() if lengths.numel() else float("nan"), "blocks": lengths.numel()}
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def save(self, step: int) -> None:
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        state = {"draft": self.draft.state_dict(), "optimizer": self.opt.state_dict(),
+                 "scheduler": self.sched.state_dict(), "step": step, "history": self.history,
+                 "rng": torch.get_rng_state(), "fingerprint": self.cfg.fingerprint(),
+                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        tmp = self.state_path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        tmp.replace(self.state_path)
+        self.export(step)
+
+    def load(self) -> int:
+        state = torch.load(self.state_path, map_location="cpu", weights_only=False)  # RNG states stay on CPU
+        old, new = state["fingerprint"], self.cfg.fingerprint()
+        diff = [f"--{k.replace('_', '-')}: {old.get(k)} -> {new[k]}" for k in new if old.get(k) != new[k]]
+        if diff:
+            raise BlockspecError(f"--resume: the checkpoint in {self.state_path} was trained with other settings "
+                                 f"({'; '.join(diff)}). Rerun with the original settings, or use a new --output.")
+        self.draft.load_state_dict(state["draft"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        self.history = state["history"]
+        torch.set_rng_state(state["rng"])
+        if state["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        return state["step"]
+
+    def export(self, step: int) -> None:
+        save_draft(self.draft, self.cfg.output, SAVE_DTYPES[self.cfg.save_dtype])
+        write_model_card(self.cfg.output / "MODEL_CARD.md", self.cfg, self.draft_cfg, self.target_path, self.spec,
+                         {**self.stats, "step": step, "total_steps": self.total_steps, "train_sequences":
+                          self.num_train, "train_tokens": self.train_tokens, "eval_sequences": self.num_eval,
+                          "history": self.history, "machine": f"{platform.machine()} {self.device}, "
+                          f"torch {torch.__version__}, {torch.get_num_threads()} threads"})
+
+    # ---- loop -------------------------------------------------------------------------------
+    def run(self) -> dict:
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        self.prepare_data()
+        self.total_steps = cfg.steps or max(1, math.ceil(cfg.epochs * self.num_train / cfg.batch_size))
+        self.draft = DFlashDraft(self.draft_cfg)
+        init_draft(self.draft, self.target, cfg.init, torch.Generator().manual_seed(cfg.seed))
+        for name in [n for n, _ in self.target.named_children() if n not in ("embed_tokens", "lm_head")]:
+            delattr(self.target, name)  # from here on only the frozen embedding and LM head are needed
+        self.target.requires_grad_(False)
+        self.draft.rotary.ensure(cfg.seq_len + self.draft_cfg.block_size)
+        self.draft.to(self.device).train()
+        params = [p for p in self.draft.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        warmup = max(1, round(cfg.warmup_ratio * self.total_steps))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: cosine_with_warmup(s, self.total_steps, warmup))
+        self.history: list[dict] = []
+        self._perms: dict[int, torch.Tensor] = {}
+        step = self.load() if cfg.resume and self.state_path.is_file() else 0
+        weights = loss_weights(self.draft_cfg.block_size, cfg.loss_gamma).to(self.device)
+        stop = self.total_steps if cfg.stop_after_steps is None else min(self.total_steps, step + cfg.stop_after_steps)
+        ema, seq_tokens, eval_seconds, t0, first = None, 0, 0.0, time.perf_counter(), step
+        bar = tqdm(total=self.total_steps, initial=step, desc="train-draft", unit="step")
+        try:
+            while step < stop:
+                gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+                with self.amp():
+                    hidden, blocks, n_tok = self.forward("train", self.step_indices(step), cfg.anchors_per_seq, gen)
+                    loss, info = dflash_loss(hidden, self.target.lm_head, blocks, weights)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                self.opt.step()
+                self.sched.step()
+                self.opt.zero_grad(set_to_none=True)
+                step, seq_tokens = step + 1, seq_tokens + n_tok
+                ema = info["loss"] if ema is None else 0.95 * ema + 0.05 * info["loss"]
+                record = {"step": step, "loss": round(info["loss"], 4), "acc1": round(info["acc1"], 4)}
+                if step % cfg.eval_every == 0 or step == stop:
+                    t_eval = time.perf_counter()
+                    record.update({f"heldout_{k}": v for k, v in self.evaluate().items()})
+                    eval_seconds += time.perf_counter() - t_eval
+                    tqdm.write(f"step {step}: loss {ema:.3f}, held-out tau {record['heldout_tau']:.3f}", file=sys.stderr)
+                self.history.append(record)
+                rate = seq_tokens / (time.perf_counter() - t0 - eval_seconds)
+                bar.set_postfix(loss=f"{ema:.3f}", acc1=f"{info['acc1']:.2f}", tok_s=f"{rate:.0f}",
+                                tau=f"{self.last('heldout_tau'):.2f}", lr=f"{self.sched.get_last_lr()[0]:.1e}")
+                bar.update(1)
+                if step % cfg.save_every == 0 and step < stop:
+                    self.save(step)
+        except KeyboardInterrupt:
+            tqdm.write(f"interrupted at step {step}: saving a checkpoint; continue with --resume", file=sys.stderr)
+        finally:
+            bar.close()
+        seconds = time.perf_counter() - t0 - eval_seconds
+        self.stats["train"] = {"steps": step - first, "seconds": seconds, "sequence_tokens": seq_tokens,
+                               "tokens_per_s": seq_tokens / seconds if seconds else 0.0}
+        self.save(step)
+        return {"step": step, "total_steps": self.total_steps, "heldout_tau": self.last("heldout_tau"),
+                "final_loss": self.last("loss"), **self.stats}
+
+    def last(self, key: str) -> float:
+        return next((r[key] for r in reversed(self.history) if key in r), float("nan"))
+
+
+def train(cfg: TrainConfig) -> dict:
+    return Trainer(cfg).run()

@@ -1,0 +1,262 @@
+"""train-draft: the training mask, loss weights, anchors, train/inference agreement, resume, smoke runs."""
+
+import json
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blockspec.cli import main
+from blockspec.config import ModelConfig
+from blockspec.engine.kv_cache import Batch
+from blockspec.errors import BlockspecError
+from blockspec.models.draft import DFlashDraft
+from blockspec.models.loader import load_draft
+from blockspec.spec.draft_config import resolve_draft_config
+from blockspec.train.config import TrainConfig
+from blockspec.train.data import DataSpec, TrainSequence
+from blockspec.train.features import target_features
+from blockspec.train.objective import (IGNORE, build_blocks, cosine_with_warmup, loss_weights, sample_anchors,
+                                       training_mask)
+from blockspec.train.trainer import train
+from tests.tiny import tiny_draft_raw, write_tiny_target
+
+CPU = torch.device("cpu")
+
+
+def test_training_mask_exact_pattern():
+    # two blocks of B=3 anchored at 2 and 4, context length 6: keys = 6 context + 6 block slots
+    mask = training_mask(torch.tensor([[2, 4]]), block_size=3, ctx_len=6)[0].int()
+    a = [1, 1, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0]  # block 0: context < 2, own block
+    b = [1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1]  # block 1: context < 4, own block
+    assert mask.tolist() == [a, a, a, b, b, b]
+
+
+def test_loss_weights_follow_the_paper():
+    w = loss_weights(16)
+    assert w.shape == (15,)
+    assert w[0] == 1.0
+    assert torch.allclose(w, torch.exp(-torch.arange(15.0) / 7.0))
+    assert torch.allclose(loss_weights(8), torch.exp(-torch.arange(7.0) / 4.0))
+    assert torch.allclose(loss_weights(10), torch.exp(-torch.arange(9.0) / 5.0))
+    assert torch.allclose(loss_weights(4, gamma=2.0), torch.exp(-torch.arange(3.0) / 2.0))
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(0, 40), min_size=1, max_size=4), count=st.integers(1, 12), data=st.data())
+def test_anchors_stay_in_bounds(lengths, count, data):
+    starts = [data.draw(st.integers(0, max(0, n))) for n in lengths]
+    anchors, valid = sample_anchors(lengths, starts, count, torch.Generator().manual_seed(0))
+    for row, (n, s) in enumerate(zip(lengths, starts)):
+        picked = anchors[row][valid[row]].tolist()
+        lo, hi = max(1, s), n - 2
+        assert len(picked) == max(0, min(count, hi - lo + 1))
+        assert len(set(picked)) == len(picked) and picked == sorted(picked)
+        assert all(lo <= a <= hi for a in picked)  # context before, >= 1 label after
+
+
+def test_blocks_labels_positions_and_ignore():
+    ids = torch.arange(10, 20).view(1, -1)  # tokens 10..19 at positions 0..9
+    labels = torch.arange(100, 110).view(1, -1)  # label[t] predicts position t + 1
+    blocks = build_blocks(ids, labels, [8], torch.tensor([[2, 6]]), torch.tensor([[True, True]]), 4, mask_token_id=7)
+    assert blocks.input_ids.tolist() == [[12, 7, 7, 7, 16, 7, 7, 7]]
+    assert blocks.positions.tolist() == [[2, 3, 4, 5, 6, 7, 8, 9]]
+    # slot k predicts position a + k: labels[a + k - 1]; positions past the sequence (length 8) are ignored
+    assert blocks.labels.tolist() == [[[102, 103, 104], [106, IGNORE, IGNORE]]]
+
+
+def test_cosine_schedule_warms_up_then_decays():
+    values = [cosine_with_warmup(s, 100, 10) for s in range(100)]
+    assert values[0] == pytest.approx(0.1) and values[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(values[9:], values[10:])) and values[-1] < 0.01
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread (and do not stall when other processes share the cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("train")
+    write_tiny_target(folder / "target", num_hidden_layers=4)
+    rng = random.Random(0)
+    with (folder / "data.jsonl").open("w") as f:  # repetitive token streams: something learnable
+        for _ in range(120):
+            motif = [rng.randrange(10, 97) for _ in range(rng.randint(3, 6))]
+            f.write(json.dumps({"token_ids": (motif * 20)[: rng.randint(40, 80)]}) + "\n")
+    return folder
+
+
+def test_forward_train_matches_inference_path(tiny):
+    """Each block of the one-pass training forward equals the engine's inject + forward for that anchor."""
+    cfg = ModelConfig.from_folder(tiny / "target")
+    dcfg = resolve_draft_config(tiny_draft_raw(cfg, block_size=4), target=cfg)
+    torch.manual_seed(0)
+    draft = DFlashDraft(dcfg)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    t, width = 12, 2 * cfg.hidden_size
+    feats = torch.randn(1, t, width)
+    ids = torch.randint(0, 97, (1, t))
+    anchors = torch.tensor([[1, 5, 9]])
+    blocks = build_blocks(ids, ids, [t], anchors, torch.ones(1, 3, dtype=torch.bool), 4, dcfg.mask_token_id)
+    embeds = torch.randn(1, 12, cfg.hidden_size)
+    with torch.no_grad():
+        out = draft.forward_train(embeds, blocks.positions, feats, torch.arange(t).view(1, -1), blocks.mask)
+        for j, a in enumerate(anchors[0].tolist()):
+            cache = draft.new_cache(1, 32)
+            draft.inject(feats[:, :a], Batch([0], [0]), cache)
+            ref = draft(embeds[:, 4 * j : 4 * j + 4], Batch([0], [a]), cache)
+            assert torch.allclose(out[:, 4 * j : 4 * j + 4], ref, atol=1e-5)
+
+
+def test_on_policy_labels_are_the_response(tiny):
+    from blockspec.models.loader import load_target
+
+    target = load_target(tiny / "target", torch.float32, CPU)
+    seq = TrainSequence([5, 6, 7, 8, 9, 10], start=3, on_policy=True)
+    plain = TrainSequence([5, 6, 7, 8, 9, 10], start=1, on_policy=False)
+    (feats, labels), (_, argmax) = target_features(target, [seq, plain], (0, 2))
+    assert feats.shape == (6, 128) and feats.dtype.name == "float16"
+    assert labels[3:5].tolist() == [9, 10] and labels[:3].tolist() == argmax[:3].tolist()
+
+
+def _cfg(tiny, out, **kw) -> TrainConfig:
+    base = dict(output=out, target=str(tiny / "target"), data=str(tiny / "data.jsonl"), num_draft_layers=1,
+                block_size=4, target_layer_ids=(0, 2), mask_token_id=5, seq_len=64, batch_size=4,
+                anchors_per_seq=8, eval_seqs=2, eval_every=10, save_every=1000, device="cpu",
+                cache_dir=tiny / "cache", save_dtype="float32", lr=3e-3)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_smoke_training_loss_decreases_and_loads(tiny):
+    out = tiny / "draft"
+    summary = train(_cfg(tiny, out, steps=60, lr=1e-2))
+    state = torch.load(out / "checkpoint" / "state.pt", weights_only=False)
+    losses = [r["loss"] for r in state["history"]]
+    assert len(losses) == 60 and summary["step"] == 60
+    assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 0.3  # ~4.5 (uniform over 97) -> ~3.9
+    assert math.isfinite(summary["heldout_tau"]) and 1.0 <= summary["heldout_tau"] <= 4.0
+    draft = load_draft(out, ModelConfig.from_folder(tiny / "target"), torch.float32, CPU)
+    assert draft.config.block_size == 4 and draft.config.target_layer_ids == (0, 2)
+    card = (out / "MODEL_CARD.md").read_text()
+    assert "held-out" in card.lower() and "60 of 60 steps" in card
+    with pytest.raises(BlockspecError, match="--resume"):  # never silently overwrite a run
+        train(_cfg(tiny, out, steps=60, lr=1e-2))
+
+
+def test_resume_equals_uninterrupted(tiny):
+    straight = tiny / "straight"
+    train(_cfg(tiny, straight, steps=6, eval_every=3))
+    split = tiny / "split"
+    first = train(_cfg(tiny, split, steps=6, eval_every=3, stop_after_steps=3))
+    assert first["step"] == 3
+    with pytest.raises(BlockspecError, match="other settings"):
+        train(_cfg(tiny, split, steps=6, eval_every=3, lr=1e-3, resume=True))
+    second = train(_cfg(tiny, split, steps=6, eval_every=3, resume=True))
+    assert second["step"] == 6
+    a = torch.load(straight / "checkpoint" / "state.pt", weights_only=False)
+    b = torch.load(split / "checkpoint" / "state.pt", weights_only=False)
+    for name, tensor in a["draft"].items():
+        assert torch.equal(tensor, b["draft"][name]), name
+    assert a["history"] == b["history"]
+
+
+def test_cli_trains_and_reports_errors(tiny, capsys):
+    out = tiny / "cli"
+    argv = ["train-draft", "--target", str(tiny / "target"), "--output", str(out), "--data", str(tiny / "data.jsonl"),
+            "--block-size", "4", "--target-layer-ids", "0,2", "--mask-token-id", "5", "--seq-len", "64",
+            "--steps", "3", "--anchors-per-seq", "4", "--eval-seqs", "2", "--device", "cpu",
+            "--cache-dir", str(tiny / "cache"), "--json"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["step"] == 3 and (out / "model.safetensors").is_file()
+    assert main(argv[:-1] + ["--data", "humaneval"]) == 2
+    assert "unknown source" in capsys.readouterr().err
+
+
+def test_data_spec_parsing(tmp_path):
+    (tmp_path / "x.jsonl").write_text("")
+    spec = DataSpec.parse(f"stdlib, responses:12,{tmp_path / 'x.jsonl'}")
+    assert spec.sources[:2] == ("stdlib", "responses:12") and spec.num_responses == 12
+    for bad in ("responses:0", "gsm8k", "missing.jsonl", ""):
+        with pytest.raises(BlockspecError):
+            DataSpec.parse(bad)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_char_tokenizer(folder) -> int:
+    """A character-level tokenizer.json with ChatML specials and a <mask> token; returns its size."""
+    from tokenizers import AddedToken, Tokenizer, models
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "<mask>"]
+    vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)] + ["\n"])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.add_special_tokens([AddedToken(s, special=True) for s in specials])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "chat_template": CHATML}))
+    return len(vocab)
+
+
+def test_on_policy_responses_are_generated_cached_and_trained_on(tmp_path):
+    target = write_tiny_target(tmp_path / "target", vocab_size=101, max_position_embeddings=1024)
+    write_char_tokenizer(target)
+    cfg = _cfg(tmp_path, tmp_path / "draft", target=str(target), data="responses:3", mask_token_id=None,
+               seq_len=1024, response_tokens=12, gen_batch_size=3, steps=2, eval_every=2)
+    summary = train(cfg)
+    assert summary["step"] == 2 and summary["extract_train"]["tokens"] > 0
+    rows = [json.loads(line) for f in (tmp_path / "cache" / "responses").glob("*-train.jsonl")
+            for line in f.read_text().splitlines()]
+    assert len(rows) == 3 and all(1 <= len(r["output_ids"]) <= 12 for r in rows)
+    from blockspec.train.features import FeatureStore
+
+    (store_dir,) = [d for d in (tmp_path / "cache" / "features").iterdir()
+                    if json.loads((d / "meta.json").read_text())["key"]["split"] == "train"]
+    store = FeatureStore(store_dir, {})
+    for i, row in enumerate(rows):  # labels inside the response are the response's next tokens
+        ids, labels, _, start = store.get(i)
+        assert ids.tolist() == row["prompt_ids"] + row["output_ids"] and start == len(row["prompt_ids"])
+        assert labels[start:-1].tolist() == row["output_ids"][1:]
+    draft = load_draft(tmp_path / "draft", ModelConfig.from_folder(target), torch.float32, CPU,
+                       token_to_id={"<mask>": 4}.get)
+    assert draft.config.mask_token_id == 4 and draft.config.mask_token == "<mask>"  # picked automatically
+    again = train(_cfg(tmp_path, tmp_path / "draft2", target=str(target), data="responses:3", mask_token_id=None,
+                       seq_len=1024, response_tokens=12, gen_batch_size=3, steps=2, eval_every=2))
+    assert "extract_train" not in again  # responses and features come from the cache
+
+
+def test_stdlib_source_excludes_tests_and_heldout_modules():
+    import sysconfig
+
+    from blockspec.train.data import stdlib_files
+
+    root = sysconfig.get_paths()["stdlib"]
+    train_files, heldout = stdlib_files(False), stdlib_files(True)
+    assert len(train_files) > 500 and heldout
+    for path in train_files:
+        rel = path.relative_to(root).parts
+        assert not {"test", "tests", "idle_test", "site-packages"} & set(rel) and not rel[-1].startswith("test_")
+        assert rel[0].removesuffix(".py") not in ("json", "email")
+    assert all(path.relative_to(root).parts[0] in ("json", "email") for path in heldout)
+
+
+def test_missing_pydoc_is_skipped_with_a_warning(monkeypatch, tmp_path, caplog):
+    from blockspec.train import data
+
+    monkeypatch.setattr(data, "PYDOC_ROOT", tmp_path / "absent")
+    assert data.pydoc_files(False) == []
+    assert "apt-get install python3.11-doc" in caplog.text
