@@ -92,7 +92,9 @@ class Rotary(nn.Module):
         inv_freq = rope_inv_freq(*self.inv_freq_args)
         freqs = torch.outer(torch.arange(n, dtype=torch.float32, device="cpu"), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1).to("cpu" if self.cos.is_meta else self.cos.device)
-        self.cos, self.sin = emb.cos(), emb.sin()
+        # sin with the rotate-half sign folded in: rotate_half(x) * sin == x.roll(half) * signed_sin
+        half = emb.shape[-1] // 2
+        self.cos, self.sin = emb.cos(), torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1)
 
     def ensure(self, max_positions: int) -> None:
         """Positions past the checkpoint's max_position_embeddings are still well defined for RoPE."""
@@ -104,11 +106,9 @@ class Rotary(nn.Module):
         return self.cos[positions].unsqueeze(-2).to(dtype), self.sin[positions].unsqueeze(-2).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [..., n, heads, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Neox rotation of x [..., n, heads, head_dim] with a `Rotary.table` (sin carries the sign)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -121,6 +121,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     b, n, heads, d = q.shape
     kv_heads = k.shape[1]
     groups = heads // kv_heads
+    if n == 1 and mask is None:  # decode: the fold is a plain view, no permutes
+        out = F.scaled_dot_product_attention(q.reshape(b, kv_heads, groups, d), k, v)
+        return out.reshape(b, 1, heads * d)
     q = q.view(b, n, kv_heads, groups, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, groups * n, d)
     if mask is not None:
         mask = mask.unsqueeze(1).expand(b, groups, n, mask.shape[-1]).reshape(b, 1, groups * n, mask.shape[-1])
