@@ -1,4 +1,4 @@
-"""Model runner: prefill, one plain decode step, one DFlash draft+verify step, over a batch of sequences.
+"""Model runner: batched prefill chunks, one plain decode step, one DFlash draft+verify step.
 
 Everything per step is batched: one draft forward and one target verify for all running rows,
 each row accepting its own number of tokens (ragged acceptance needs no padding: rows keep their
@@ -48,20 +48,6 @@ class ModelRunner:
         if seq.slot >= 0:
             self.pool.free(seq.slot)
             seq.slot = -1
-
-    @torch.inference_mode()
-    def prefill(self, seq: Sequence, use_draft: bool) -> None:
-        """Run the prompt in chunks, inject its draft context, and emit the first token."""
-        ids = torch.tensor([seq.prompt_ids], device=self.device)
-        capture = self.capture if use_draft else ()
-        for start in range(0, ids.shape[1], self.prefill_chunk):
-            chunk = ids[:, start : start + self.prefill_chunk]
-            batch = Batch([seq.slot], [start])
-            hidden, features = self.target(chunk, batch, self.target_cache, capture)
-            if use_draft:
-                self.draft.inject(features, batch, self.draft_cache)
-        seq.num_cached = ids.shape[1]
-        seq.emit([next_token(self.target.logits(hidden[0, -1]), seq.params, seq.generator)])
 
     @torch.inference_mode()
     def decode_step(self, seqs: list[Sequence]) -> None:
