@@ -104,16 +104,22 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
-        path = Path(folder) / "config.json"
-        if not Path(folder).is_dir():
-            raise ModelLoadError(
-                f"Model folder {str(folder)!r} does not exist. Pass --model-path pointing at a Hugging Face "
-                f"checkpoint folder (config.json + *.safetensors), or omit it to use the embedded SmolLM2."
-            )
-        if not path.is_file():
-            raise ModelLoadError(f"{path} is missing: a model folder needs a Hugging Face config.json.")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"{path} is not valid JSON ({exc}). Re-download or rewrite it.") from exc
+        hint = (
+            "Pass --model-path pointing at a Hugging Face checkpoint folder (config.json + *.safetensors), "
+            "or omit it to use the embedded SmolLM2."
+        )
+        path, raw = read_config_json(folder, "Model", hint)
         return cls.from_dict(raw, source=str(path))
+
+
+def read_config_json(folder: str | Path, kind: str, hint: str) -> tuple[Path, dict]:
+    """The parsed config.json of a checkpoint folder, with errors that say which folder and what to pass."""
+    path = Path(folder) / "config.json"
+    if not Path(folder).is_dir():
+        raise ModelLoadError(f"{kind} folder {str(folder)!r} does not exist. {hint}")
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing: a {kind.lower()} folder needs its config.json. {hint}")
+    try:
+        return path, json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON ({exc}). Re-download or rewrite it.") from exc

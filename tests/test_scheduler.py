@@ -22,17 +22,8 @@ CPU = torch.device("cpu")
 MAX_LEN = 160
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run ~40x faster on one thread than on two contended ones (shared CI cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def runner(one_thread, tmp_path_factory) -> ModelRunner:
+def runner(tmp_path_factory) -> ModelRunner:
     folder = tmp_path_factory.mktemp("sched")
     write_tiny_target(folder / "target", "llama")
     cfg = ModelConfig.from_folder(folder / "target")

@@ -17,7 +17,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 
 from blockspec.config import ModelConfig
 from blockspec.llm import LLM
@@ -52,8 +51,6 @@ def server(folders):
 
     from blockspec.server.app import create_app
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: one thread is ~40x faster than two contended ones
     app = create_app(make_llm(folders), api_key=KEY, max_total_tokens=BUDGET)
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -66,7 +63,6 @@ def server(folders):
     yield {"app": app, "url": f"http://127.0.0.1:{port}", "port": port}
     srv.should_exit = True
     thread.join(timeout=30)
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

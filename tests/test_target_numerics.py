@@ -10,7 +10,7 @@ from tests.tiny import write_tiny_target
 
 def run_ours(model, ids: torch.Tensor, capture=(), chunks=(None,)):
     cache = model.new_cache(num_slots=2, max_len=256)
-    hidden, feats, start = [], [], 0
+    hidden, feats = [], []
     bounds = [0, *[c for c in chunks if c], ids.shape[1]]
     for lo, hi in zip(bounds, bounds[1:]):
         h, f = model(ids[:, lo:hi], Batch([1], [lo]), cache, capture)

@@ -74,15 +74,6 @@ def test_cosine_schedule_warms_up_then_decays():
     assert all(a >= b for a, b in zip(values[9:], values[10:])) and values[-1] < 0.01
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (and do not stall when other processes share the cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("train")

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from blockspec.config import ModelConfig
+from blockspec.config import ModelConfig, read_config_json
 from blockspec.errors import ModelLoadError
 from blockspec.models.draft import DFlashDraft
 from blockspec.models.layers import Linear
@@ -160,18 +160,8 @@ def load_draft(
 ) -> DFlashDraft:
     """Resolve and validate the draft's config and tensor shapes, then load its weights."""
     folder = Path(folder)
-    config_path = folder / "config.json"
-    if not folder.is_dir():
-        raise ModelLoadError(
-            f"Draft folder {str(folder)!r} does not exist. Pass --draft-model-path pointing at a DFlash draft "
-            f"(config.json + model.safetensors, z-lab format)."
-        )
-    if not config_path.is_file():
-        raise ModelLoadError(f"{config_path} is missing: a DFlash draft folder needs its config.json.")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{config_path} is not valid JSON ({exc}).") from exc
+    hint = "Pass --draft-model-path pointing at a DFlash draft (config.json + model.safetensors, z-lab format)."
+    config_path, raw = read_config_json(folder, "Draft", hint)
     cfg = resolve_draft_config(
         raw, target=target, source=str(config_path), cli_block_size=cli_block_size,
         cli_mask_token=cli_mask_token, cli_mask_token_id=cli_mask_token_id, token_to_id=token_to_id,
