@@ -25,11 +25,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default="auto")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's choice)")
 
 
 def build_llm(args: argparse.Namespace, **extra):
+    import torch
+
     from blockspec.llm import LLM
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise BlockspecError(f"--threads={args.threads} must be >= 1.")
+        torch.set_num_threads(args.threads)
     return LLM(
         model_path=args.model_path, draft_model_path=args.draft_model_path,
         speculative_algorithm=args.speculative_algorithm, block_size=args.block_size,
