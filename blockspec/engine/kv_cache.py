@@ -46,11 +46,6 @@ class KVCache:
                 self.v[:, slot, :, start:length].zero_()
                 self._clean_upto[slot] = length
 
-    @property
-    def bytes_per_token(self) -> int:
-        layers, _, kv_heads, _, head_dim = self.k.shape
-        return 2 * layers * kv_heads * head_dim * self.k.element_size()
-
     def write(self, layer: int, batch: "Batch", k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [b, n, kv_heads, d] for positions batch.starts[i] .. + n."""
         n = k.shape[1]

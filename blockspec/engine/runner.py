@@ -37,10 +37,6 @@ class ModelRunner:
         self.capture = tuple(draft.config.target_layer_ids) if draft is not None else ()
         self.device = target.embed_tokens.weight.device
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.target_cache.bytes_per_token + (self.draft_cache.bytes_per_token if self.draft_cache else 0)
-
     def admit(self, seq: Sequence) -> None:
         seq.slot = self.pool.allocate()
 
