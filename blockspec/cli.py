@@ -28,15 +28,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's choice)")
 
 
-def build_llm(args: argparse.Namespace, **extra):
+def set_threads(threads: int | None) -> None:
     import torch
 
+    if threads is not None:
+        if threads < 1:
+            raise BlockspecError(f"--threads={threads} must be >= 1.")
+        torch.set_num_threads(threads)
+
+
+def build_llm(args: argparse.Namespace, **extra):
     from blockspec.llm import LLM
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise BlockspecError(f"--threads={args.threads} must be >= 1.")
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     return LLM(
         model_path=args.model_path, draft_model_path=args.draft_model_path,
         speculative_algorithm=args.speculative_algorithm, block_size=args.block_size,

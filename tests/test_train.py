@@ -17,10 +17,12 @@ from blockspec.models.draft import DFlashDraft
 from blockspec.models.loader import load_draft
 from blockspec.spec.draft_config import resolve_draft_config
 from blockspec.train.config import TrainConfig
+from blockspec.train import data as D
 from blockspec.train.data import DataSpec, TrainSequence
 from blockspec.train.features import target_features
-from blockspec.train.objective import (IGNORE, build_blocks, cosine_with_warmup, loss_weights, sample_anchors,
-                                       training_mask)
+from blockspec.train.objective import (IGNORE, Blocks, TrainVocab, build_blocks, cosine_with_warmup, dflash_loss,
+                                       loss_weights, sample_anchors, training_mask)
+from blockspec.train.prompts import TOPICS, response_prompts
 from blockspec.train.trainer import train
 from tests.tiny import tiny_draft_raw, write_tiny_target
 
@@ -163,6 +165,32 @@ def test_resume_equals_uninterrupted(tiny):
     assert a["history"] == b["history"]
 
 
+def test_init_from_a_draft_folder_continues_its_weights(tiny):
+    first = tiny / "warm-a"
+    train(_cfg(tiny, first, steps=4, train_dtype="float32"))
+    again = tiny / "warm-b"
+    summary = train(_cfg(tiny, again, steps=1, lr=1e-9, init=str(first), train_dtype="float32"))
+    assert summary["step"] == 1
+    a = torch.load(first / "checkpoint" / "state.pt", weights_only=False)["draft"]
+    b = torch.load(again / "checkpoint" / "state.pt", weights_only=False)["draft"]
+    for name, tensor in a.items():  # one step at lr 1e-9 leaves the loaded weights in place
+        assert torch.allclose(tensor, b[name], atol=1e-6), name
+    with pytest.raises(BlockspecError, match="block_size=4, but this run trains block_size=8"):
+        train(_cfg(tiny, tiny / "warm-c", steps=1, block_size=8, init=str(first)))
+    with pytest.raises(BlockspecError, match="--init"):
+        _cfg(tiny, tiny / "warm-d", init=str(tiny / "nowhere"))
+
+
+def test_bf16_autocast_with_a_train_vocab_runs_and_learns(tiny):
+    summary = train(_cfg(tiny, tiny / "bf16", steps=30, lr=1e-2, train_dtype="bfloat16", train_vocab=48))
+    assert summary["train_vocab"]["size"] == 48 and 0.5 < summary["train_vocab"]["label_coverage"] <= 1.0
+    state = torch.load(tiny / "bf16" / "checkpoint" / "state.pt", weights_only=False)
+    losses = [r["loss"] for r in state["history"]]
+    assert all(math.isfinite(x) for x in losses) and sum(losses[-5:]) < sum(losses[:5])
+    assert all(t.dtype == torch.float32 for t in state["draft"].values())  # fp32 master weights
+    assert summary["step"] == 30
+
+
 def test_cli_trains_and_reports_errors(tiny, capsys):
     out = tiny / "cli"
     argv = ["train-draft", "--target", str(tiny / "target"), "--output", str(out), "--data", str(tiny / "data.jsonl"),
@@ -251,3 +279,32 @@ def test_missing_pydoc_is_skipped_with_a_warning(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(data, "PYDOC_ROOT", tmp_path / "absent")
     assert data.pydoc_files(False) == []
     assert "apt-get install python3.11-doc" in caplog.text
+
+
+def test_response_prompts_are_varied_unique_and_split():
+    stdlib = D.stdlib_files(False)[:200]
+    train_prompts = response_prompts(200, False, 0, stdlib, [])
+    held = response_prompts(40, True, 0, D.stdlib_files(True), [])
+    assert len(train_prompts) == 200 == len(set(train_prompts)) and len(held) == 40
+    assert any("```python" in p for p in train_prompts) and any("```" not in p for p in train_prompts)
+    held_topics = [t for i, t in enumerate(TOPICS) if i % 5 == 4 and len(t) > 8]  # long: no accidental substrings
+    assert held_topics and not any(t in p for p in train_prompts for t in held_topics)
+    assert response_prompts(200, False, 0, stdlib, []) == train_prompts  # seeded
+
+
+def test_train_vocab_restricts_the_softmax_and_skips_rare_labels():
+    head = torch.nn.Linear(8, 10, bias=False)
+    counts = torch.tensor([5, 0, 9, 1, 0, 7, 0, 0, 3, 2])
+    vocab = TrainVocab(head.weight, counts, 4)
+    assert vocab.weight.shape == (4, 8) and abs(vocab.coverage - 24 / 27) < 1e-6
+    assert vocab.labels(torch.tensor([2, 3, IGNORE, 8, 0])).tolist() == [1, IGNORE, IGNORE, 3, 0]
+    # a vocabulary of every token gives exactly the full-softmax loss
+    full = TrainVocab(head.weight, counts + 1, 10)
+    b, count, block = 2, 3, 4
+    hidden = torch.randn(b, count * block, 8)
+    labels = torch.randint(0, 10, (b, count, block - 1))
+    blocks = Blocks(input_ids=None, positions=None, labels=labels, mask=None, valid=None)
+    w = loss_weights(block)
+    a, _ = dflash_loss(hidden, head, blocks, w)
+    c, _ = dflash_loss(hidden, head, blocks, w, full)
+    assert torch.allclose(a, c, atol=1e-6)

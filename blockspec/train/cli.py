@@ -45,7 +45,13 @@ def register(sub) -> None:
     a("--seq-len", type=int, default=512)
     a("--anchors-per-seq", type=int, default=32)
     a("--loss-gamma", type=float, default=None, help="position decay (default 7/5/4 for block 16/10/8)")
-    a("--init", choices=["target", "random"], default="target")
+    a("--init", default="target", help="target (draft layers start as the target's top layers), random, "
+      "or a draft folder to continue from (same shape)")
+    a("--train-vocab", type=int, default=None, metavar="N",
+      help="training softmax over the N most frequent label tokens (a CPU speed-up; default: the full vocabulary)")
+    a("--train-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+      help="autocast dtype for the draft's training forward (auto: bfloat16 on CUDA and on CPUs with "
+      "bf16 matrix units, else float32)")
     a("--device", choices=["cpu", "cuda", "auto"], default="auto")
     a("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default="auto",
       help="target dtype for feature extraction and response generation")
@@ -61,6 +67,7 @@ def register(sub) -> None:
     a("--extract-batch-size", type=int, default=4)
     a("--cache-dir", default=None, help="feature/response cache (default $BLOCKSPEC_HOME/train-cache)")
     a("--stop-after-steps", type=int, default=None, help="stop with a checkpoint after N steps (then --resume)")
+    a("--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's choice)")
     a("--json", action="store_true", help="print a JSON summary on stdout")
     p.set_defaults(func=run_train)
 
@@ -69,7 +76,10 @@ def run_train(args: argparse.Namespace) -> None:
     from blockspec.train.config import TrainConfig
     from blockspec.train.trainer import train
 
-    skip = {"command", "func", "json"}
+    from blockspec.cli import set_threads
+
+    set_threads(args.threads)
+    skip = {"command", "func", "json", "threads"}
     options = {k: v for k, v in vars(args).items() if k not in skip}
     if options["target_layer_ids"] is not None:
         options["target_layer_ids"] = _layer_ids(options["target_layer_ids"])

@@ -45,9 +45,11 @@ class TrainConfig:
     seq_len: int = 512
     anchors_per_seq: int = 32
     loss_gamma: float | None = None
-    init: str = "target"  # "target": draft layers start as the target's top layers; "random"
+    train_vocab: int | None = None  # training softmax over the N most frequent label tokens (None: all)
+    init: str = "target"  # "target": draft layers start as the target's top layers; "random"; or a draft folder
     device: str = "auto"
     dtype: str = "auto"  # target dtype for feature extraction / response generation
+    train_dtype: str = "auto"  # autocast dtype of the draft's forward: bfloat16 on CUDA and on CPUs with bf16 units
     save_dtype: str = "float16"
     seed: int = 0
     resume: bool = False
@@ -68,7 +70,7 @@ class TrainConfig:
         positive = ["num_draft_layers", "block_size", "num_target_features", "batch_size", "seq_len",
                     "anchors_per_seq", "save_every", "eval_every", "eval_seqs", "eval_anchors",
                     "response_tokens", "gen_batch_size", "extract_batch_size"]
-        optional = ["tokens", "steps", "stop_after_steps"]
+        optional = ["tokens", "steps", "stop_after_steps", "train_vocab"]
         for name in positive + optional:
             value = getattr(self, name)
             if value is None and name in optional:
@@ -88,8 +90,11 @@ class TrainConfig:
                                  f"{self.weight_decay} must be in [0, 1).")
         if self.loss_gamma is not None and not self.loss_gamma > 0:
             raise BlockspecError(f"train-draft: --loss-gamma={self.loss_gamma} must be > 0.")
-        if self.init not in ("target", "random"):
-            raise BlockspecError(f"train-draft: --init={self.init!r}; use 'target' or 'random'.")
+        if self.init not in ("target", "random") and not (Path(self.init).expanduser() / "config.json").is_file():
+            raise BlockspecError(f"train-draft: --init={self.init!r}: use 'target', 'random', or a draft folder "
+                                 f"(config.json + model.safetensors) to continue training from.")
+        if self.train_dtype not in ("auto", "float32", "bfloat16"):
+            raise BlockspecError(f"train-draft: --train-dtype={self.train_dtype!r}; use auto, float32 or bfloat16.")
         if self.save_dtype not in SAVE_DTYPES:
             raise BlockspecError(f"train-draft: --save-dtype={self.save_dtype!r}; use one of {sorted(SAVE_DTYPES)}.")
         if self.target_layer_ids is not None:

@@ -3,12 +3,12 @@
 Sources (`--data`, a comma list):
   stdlib       CPython standard-library .py files (tests and held-out modules excluded)
   pydoc        Debian python3.11-doc reStructuredText sources (skipped with a warning if absent)
-  responses:N  N greedy responses of the target itself to prompts built from stdlib snippets
-               (explain / document / continue / review this code), generated with the engine's
-               batched `LLM.generate` and cached on disk
+  responses:N  N greedy responses of the target itself to prompts built offline (train/prompts.py:
+               stdlib code tasks, docstring stubs, writing, role-play, explanations, arithmetic,
+               extraction), generated with the engine's batched `LLM.generate` and cached on disk
   PATH.jsonl   one object per line: {"text": ...} or {"token_ids": [...]}
 Each source has a held-out split (stdlib/pydoc: the json and email modules and their docs;
-responses: prompts built from those modules; jsonl: every 50th line) used only for the held-out
+responses: prompts from held-out topics and those modules; jsonl: every 50th line) used only for the held-out
 tau estimate. Benchmark prompts (HumanEval, MT-Bench) are never used.
 """
 
@@ -26,6 +26,7 @@ from typing import Iterator
 from tqdm import tqdm
 
 from blockspec.errors import BlockspecError
+from blockspec.train.prompts import response_prompts
 
 log = logging.getLogger("blockspec.train")
 
@@ -34,16 +35,6 @@ SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__
 PYDOC_ROOT = Path("/usr/share/doc/python3.11/html/_sources")
 MIN_TOKENS = 32  # shorter documents (or window tails) are dropped
 JSONL_HELDOUT_EVERY = 50
-PROMPTS = (
-    "Explain what this Python code does:\n\n```python\n{code}\n```",
-    "Write a docstring for the following Python code:\n\n```python\n{code}\n```",
-    "Continue this Python code:\n\n```python\n{code}\n```",
-    "Review this Python code and suggest improvements:\n\n```python\n{code}\n```",
-    "Write a short unit test for this Python code:\n\n```python\n{code}\n```",
-    "Rewrite this Python code to be simpler and more readable:\n\n```python\n{code}\n```",
-)
-
-
 @dataclass(frozen=True)
 class TrainSequence:
     ids: list[int]
@@ -146,22 +137,6 @@ def _jsonl(path: Path, heldout: bool, tokenizer, seq_len: int) -> Iterator[Train
             yield from windows([int(t) for t in ids], seq_len)
 
 
-def snippet_prompts(count: int, heldout: bool, seed: int, max_lines: int = 30) -> list[str]:
-    """`count` user prompts asking about stdlib code snippets that start at a def or class line."""
-    files = stdlib_files(heldout)
-    rng = random.Random(seed + (1 if heldout else 0))
-    prompts: list[str] = []
-    while len(prompts) < count:
-        lines = rng.choice(files).read_text(encoding="utf-8", errors="replace").splitlines()
-        heads = [i for i, line in enumerate(lines) if line.lstrip().startswith(("def ", "class "))]
-        if not heads:
-            continue
-        first = rng.choice(heads)
-        code = "\n".join(lines[first : first + rng.randint(6, max_lines)]).rstrip()
-        prompts.append(rng.choice(PROMPTS).format(code=code))
-    return prompts
-
-
 def ensure_responses(
     cache: Path, target_path: Path, count: int, heldout: bool, seq_len: int, response_tokens: int,
     seed: int, device: str, dtype: str, batch_size: int,
@@ -178,7 +153,8 @@ def ensure_responses(
               max_num_seqs=batch_size, max_model_len=seq_len)
     budget = seq_len - response_tokens
     prompts = []
-    for text in snippet_prompts(count * 2, heldout, seed):  # some get dropped for length
+    for text in response_prompts(count * 2, heldout, seed, stdlib_files(heldout), pydoc_files(heldout)):
+        # some get dropped for length
         ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
         if len(ids) <= budget:
             prompts.append(ids)

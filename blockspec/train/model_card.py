@@ -18,9 +18,9 @@ SOURCE_TEXT = {
 
 def _source(source: str) -> str:
     if source.startswith("responses:"):
-        return (f"{source.split(':')[1]} on-policy greedy responses of the target to prompts built from stdlib "
-                f"code snippets (explain / document / continue / review / test / rewrite); labels are the "
-                f"responses' own next tokens")
+        return (f"{source.split(':')[1]} on-policy greedy responses of the target to prompts built offline "
+                f"(blockspec/train/prompts.py: stdlib code tasks and docstring stubs, writing, role-play, "
+                f"explanations, arithmetic, extraction); labels are the responses' own next tokens")
     return SOURCE_TEXT.get(source, f"{source} (JSONL, teacher-forced)")
 
 
@@ -46,20 +46,27 @@ def write_model_card(path: Path, cfg: TrainConfig, draft: DraftConfig, target: P
         f"(HF hidden_states[id + 1]); mask token id {draft.mask_token_id}"
         + (f" (`{draft.mask_token}`)" if draft.mask_token else ""),
         "- shares the target's frozen embedding and LM head; initialised from "
-        + ("the target's top layers" if cfg.init == "target" else "random weights"), "",
+        + {"target": "the target's top layers", "random": "random weights"}.get(cfg.init, f"the draft in `{cfg.init}`"),
+        "",
         "## Training", "",
         "```", cfg.command or "(called from Python)", "```", "",
         *[f"- data: {_source(s)}" for s in spec.sources],
         f"- {stats.get('train_sequences')} training sequences, {stats.get('train_tokens')} tokens "
         f"(sequence length <= {cfg.seq_len}); held-out: {stats.get('eval_sequences')} sequences from the "
-        f"{', '.join(HELDOUT_MODULES)} modules / docs (never trained on). No benchmark prompts "
+        f"{', '.join(HELDOUT_MODULES)} modules / docs and held-out prompt topics (never trained on). "
+        f"No benchmark prompts "
         f"(HumanEval, MT-Bench) or their answers were used.",
         f"- {stats.get('step')} of {stats.get('total_steps')} steps, batch {cfg.batch_size} sequences x "
         f"{cfg.anchors_per_seq} random anchors; AdamW lr {cfg.lr}, cosine schedule, warm-up ratio "
         f"{cfg.warmup_ratio}, grad clip {cfg.grad_clip}; loss decay gamma "
         f"{cfg.loss_gamma or default_gamma(draft.block_size)}",
-        f"- machine: {stats.get('machine')}",
+        f"- machine: {stats.get('machine')}; draft forward in {stats.get('train_dtype')}",
     ]
+    if "train_vocab" in stats:
+        v = stats["train_vocab"]
+        lines.append(f"- training softmax over the {v['size']} most frequent label tokens "
+                     f"({100 * v['label_coverage']:.2f}% of the labels; the rest skipped); inference and the "
+                     f"held-out tau use the full LM head")
     for key, label in (("extract_train", "feature extraction"), ("train", "training")):
         if key in stats:
             s = stats[key]

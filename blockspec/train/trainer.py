@@ -23,21 +23,23 @@ from blockspec.errors import BlockspecError
 from blockspec.llm import resolve_dtype
 from blockspec.models.draft import DFlashDraft
 from blockspec.models.gguf_convert import blockspec_home, ensure_default_model
-from blockspec.models.loader import load_target, save_draft
+from blockspec.models.loader import load_draft, load_target, save_draft
 from blockspec.models.tokenizer import Tokenizer
 from blockspec.spec.draft_config import resolve_device
 from blockspec.train import data as D
 from blockspec.train.config import SAVE_DTYPES, TrainConfig, init_draft, make_draft_config
 from blockspec.train.features import FeatureStore, cache_key, extract, target_identity
 from blockspec.train.model_card import write_model_card
-from blockspec.train.objective import (build_blocks, cosine_with_warmup, dflash_loss, greedy_accept_lengths,
-                                       loss_weights, sample_anchors)
+from blockspec.train.objective import (TrainVocab, build_blocks, cosine_with_warmup, dflash_loss,
+                                       greedy_accept_lengths, loss_weights, sample_anchors)
 
 
 class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
+        self.train_dtype = resolve_train_dtype(cfg.train_dtype, self.device)
+        self.stats: dict = {"train_dtype": str(self.train_dtype).removeprefix("torch.")}
         self.target_path = ensure_default_model() if cfg.target == "default" else Path(cfg.target).expanduser()
         self.target_cfg = ModelConfig.from_folder(self.target_path)
         has_tok = (self.target_path / "tokenizer.json").is_file()
@@ -47,7 +49,6 @@ class Trainer:
         if self.tokenizer is None and any(not s.endswith(".jsonl") for s in self.spec.sources):
             raise BlockspecError(f"train-draft: {self.target_path}/tokenizer.json is missing, and --data {cfg.data!r} "
                                  f"needs it to tokenize text. Add the tokenizer, or pass a .jsonl of token_ids.")
-        self.stats: dict = {}
         self.state_path = cfg.output / "checkpoint" / "state.pt"
         if self.state_path.is_file() and not cfg.resume:
             raise BlockspecError(f"{cfg.output} already holds a training checkpoint ({self.state_path}). Pass "
@@ -131,8 +132,8 @@ class Trainer:
         return hidden, blocks, sum(lengths)
 
     def amp(self):
-        """bf16 autocast on CUDA (fp32 master weights); plain fp32 on CPU."""
-        return torch.autocast("cuda", torch.bfloat16, enabled=self.device.type == "cuda")
+        """bf16 autocast (fp32 master weights) when --train-dtype resolves to bfloat16."""
+        return torch.autocast(self.device.type, torch.bfloat16, enabled=self.train_dtype == torch.bfloat16)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -190,10 +191,14 @@ class Trainer:
         self.prepare_data()
         self.total_steps = cfg.steps or max(1, math.ceil(cfg.epochs * self.num_train / cfg.batch_size))
         self.draft = DFlashDraft(self.draft_cfg)
-        init_draft(self.draft, self.target, cfg.init, torch.Generator().manual_seed(cfg.seed))
+        if cfg.init in ("target", "random"):
+            init_draft(self.draft, self.target, cfg.init, torch.Generator().manual_seed(cfg.seed))
+        else:
+            self.draft.load_state_dict(self.start_weights(Path(cfg.init).expanduser()))
         for name in [n for n, _ in self.target.named_children() if n not in ("embed_tokens", "lm_head")]:
             delattr(self.target, name)  # from here on only the frozen embedding and LM head are needed
         self.target.requires_grad_(False)
+        self.vocab = self.train_vocab() if cfg.train_vocab else None
         self.draft.rotary.ensure(cfg.seq_len + self.draft_cfg.block_size)
         self.draft.to(self.device).train()
         params = [p for p in self.draft.parameters() if p.requires_grad]
@@ -213,7 +218,7 @@ class Trainer:
                 gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
                 with self.amp():
                     hidden, blocks, n_tok = self.forward("train", self.step_indices(step), cfg.anchors_per_seq, gen)
-                    loss, info = dflash_loss(hidden, self.target.lm_head, blocks, weights)
+                    loss, info = dflash_loss(hidden, self.target.lm_head, blocks, weights, self.vocab)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
                 self.opt.step()
@@ -245,8 +250,41 @@ class Trainer:
         return {"step": step, "total_steps": self.total_steps, "heldout_tau": self.last("heldout_tau"),
                 "final_loss": self.last("loss"), **self.stats}
 
+    def train_vocab(self) -> TrainVocab:
+        store, vocab_size = self.stores["train"], self.target_cfg.vocab_size
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        for i in range(self.num_train):
+            _, labels, _, start = store.get(i)
+            counts += np.bincount(labels[start:].astype(np.int64), minlength=vocab_size)
+        vocab = TrainVocab(self.target.lm_head.weight, torch.from_numpy(counts), self.cfg.train_vocab)
+        self.stats["train_vocab"] = {"size": vocab.weight.shape[0], "label_coverage": vocab.coverage}
+        return vocab
+
+    def start_weights(self, folder: Path) -> dict[str, torch.Tensor]:
+        """--init FOLDER: the weights of an existing draft whose shape matches the one being trained."""
+        token_to_id = self.tokenizer.token_to_id if self.tokenizer else None
+        old = load_draft(folder, self.target_cfg, torch.float32, torch.device("cpu"), token_to_id)
+        mine, theirs = self.draft_cfg, old.config
+        for name in ("block_size", "target_layer_ids", "mask_token_id", "num_hidden_layers", "has_embed_tokens"):
+            if getattr(mine, name) != getattr(theirs, name):
+                raise BlockspecError(f"train-draft: --init {folder} has {name}={getattr(theirs, name)}, but this run "
+                                     f"trains {name}={getattr(mine, name)}. Match the flags to that draft "
+                                     f"(see its MODEL_CARD.md), or start from --init target.")
+        return old.state_dict()
+
     def last(self, key: str) -> float:
         return next((r[key] for r in reversed(self.history) if key in r), float("nan"))
+
+
+def resolve_train_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto': bfloat16 on CUDA, and on CPUs with bf16 matrix units (AMX / AVX512-BF16: 2.7x the fp32
+    matmul rate on this project's Xeon); float32 elsewhere, where bf16 would be emulated and slower."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    return torch.bfloat16 if ("amx_bf16" in flags or "avx512_bf16" in flags) else torch.float32
 
 
 def train(cfg: TrainConfig) -> dict:

@@ -1,0 +1,163 @@
+"""User prompts for on-policy training data: the target answers them and the draft learns its answers.
+
+Built offline from templates, hand-written topic lists and the CPython standard library, covering what
+a chat model is asked (code, writing, role-play, reasoning, arithmetic, extraction, science, humanities).
+Never from the benchmark sets (HumanEval, MT-Bench). Every fifth topic and the stdlib modules in
+data.HELDOUT_MODULES are kept for the held-out split, so held-out prompts share no topic with training.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+from pathlib import Path
+
+CODE_TASKS = (
+    "Explain what this Python code does:\n\n```python\n{code}\n```",
+    "Write a docstring for the following Python code:\n\n```python\n{code}\n```",
+    "Continue this Python code:\n\n```python\n{code}\n```",
+    "Review this Python code and suggest improvements:\n\n```python\n{code}\n```",
+    "Write a short unit test for this Python code:\n\n```python\n{code}\n```",
+    "Rewrite this Python code to be simpler and more readable:\n\n```python\n{code}\n```",
+)
+IMPLEMENT_TASKS = (
+    "Complete the following Python function:\n```python\n{stub}\n```",
+    "Implement this function in Python:\n```python\n{stub}\n```",
+    "Write the body of this Python function so that it does what its docstring says:\n```python\n{stub}\n```",
+)
+WRITING = (
+    "Write a short poem about {t}.", "Write a blog post about {t}.", "Write a persuasive essay on {t}.",
+    "Write a short story that involves {t}.", "Write a product description for something related to {t}.",
+    "Draft an email to a colleague about {t}.", "Write a speech for a school assembly about {t}.",
+    "Write a haiku about {t}.", "Write a travel diary entry that mentions {t}.",
+)
+ROLEPLAY = (
+    "Pretend you are a {r}. Tell me about {t}.", "Act as a {r} and give me advice about {t}.",
+    "You are a {r}. Describe a typical day and how {t} plays a part in it.",
+    "Imagine you are a {r} being interviewed about {t}. Answer the first question.",
+)
+EXPLAIN = (
+    "Explain {t} to a high school student.", "What are the main ideas behind {t}?",
+    "Give three interesting facts about {t}.", "What are the pros and cons of {t}?",
+    "Summarize the history of {t} in a few paragraphs.", "How would you teach {t} to a beginner?",
+    "Compare {t} with {u}.",
+)
+EXTRACT = (
+    "Summarize the following text in one sentence:\n\n{p}",
+    "List the key terms in the following text as a JSON array:\n\n{p}",
+    "Write three questions that the following text answers:\n\n{p}",
+    "Rewrite the following text in simpler words:\n\n{p}",
+)
+TOPICS = (
+    "the ocean", "climate change", "photosynthesis", "the French Revolution", "black holes", "gardening",
+    "machine learning", "the Roman Empire", "coffee", "renewable energy", "friendship", "volcanoes",
+    "the stock market", "chess", "the human immune system", "jazz music", "recycling", "the moon landing",
+    "healthy sleep", "electric cars", "ancient Egypt", "honeybees", "the internet", "supply and demand",
+    "the water cycle", "Shakespeare", "vaccines", "mountain climbing", "time management", "DNA",
+    "the Renaissance", "social media", "public libraries", "earthquakes", "the printing press", "meditation",
+    "rain forests", "inflation", "the Olympic Games", "cryptography", "bread baking", "plate tectonics",
+    "democracy", "the solar system", "learning a new language", "urban planning", "the Industrial Revolution",
+    "nutrition", "artificial intelligence", "dinosaurs", "impressionist painting", "the Great Wall of China",
+    "remote work", "quantum computing", "bicycles", "the Silk Road", "volunteering", "glaciers",
+    "the theory of evolution", "minimalism", "space exploration", "board games", "the periodic table",
+    "migration of birds", "classical music", "the Cold War", "architecture", "cloud computing",
+    "the scientific method", "desert ecosystems", "smartphones", "ancient Greek philosophy", "tea",
+    "wind turbines", "the human brain", "budgeting", "the printing of money", "coral reefs",
+    "open source software", "photography", "the Middle Ages", "electricity", "marathon running",
+    "the history of writing", "probability", "cooking pasta", "trains", "ethics of technology", "penguins",
+)
+ROLES = (
+    "pirate captain", "medieval knight", "software engineer", "detective", "chef", "astronaut",
+    "museum guide", "kindergarten teacher", "travel agent", "farmer", "doctor", "film director",
+)
+ITEMS = ("apples", "books", "marbles", "tickets", "cookies", "pencils", "stamps", "coins")
+
+
+def _split(values: tuple[str, ...], heldout: bool) -> list[str]:
+    return [v for i, v in enumerate(values) if (i % 5 == 4) == heldout]
+
+
+def arithmetic_prompt(rng: random.Random) -> str:
+    a, b, c = rng.randint(2, 60), rng.randint(2, 40), rng.randint(2, 9)
+    item, kind = rng.choice(ITEMS), rng.randrange(5)
+    if kind == 0:
+        return f"Tom has {a} {item}. He buys {b} more and then gives away {c}. How many {item} does he have now?"
+    if kind == 1:
+        return f"Solve for x: {c}x + {a} = {a + c * b}. Show your steps."
+    if kind == 2:
+        return f"A box holds {c} rows of {b} {item}. How many {item} are in {a} boxes? Explain your reasoning."
+    if kind == 3:
+        return f"What is the sum of all integers from 1 to {a * c}? Explain how you got the answer."
+    return f"If a train travels {a * 10} km in {c} hours, what is its average speed? Show the calculation."
+
+
+def implement_stubs(files: list[Path], rng: random.Random, want: int) -> list[str]:
+    """Up to `want` 'def ...: docstring' stubs of documented stdlib functions."""
+    stubs: list[str] = []
+    for path in rng.sample(files, min(len(files), 4 * want)):
+        if len(stubs) >= want:
+            break
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+        except (SyntaxError, ValueError):
+            continue
+        funcs = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and ast.get_docstring(n)
+                 and not n.name.startswith("_") and len(ast.get_docstring(n)) < 600]
+        if funcs:
+            node = rng.choice(funcs)
+            args = ast.unparse(node.args)
+            doc = "\n    ".join(ast.get_docstring(node).splitlines())
+            stubs.append(f'def {node.name}({args}):\n    """{doc}\n    """')
+    return stubs
+
+
+def code_snippet(files: list[Path], rng: random.Random, max_lines: int = 30) -> str | None:
+    lines = rng.choice(files).read_text(encoding="utf-8", errors="replace").splitlines()
+    heads = [i for i, line in enumerate(lines) if line.lstrip().startswith(("def ", "class "))]
+    if not heads:
+        return None
+    first = rng.choice(heads)
+    return "\n".join(lines[first : first + rng.randint(6, max_lines)]).rstrip()
+
+
+def paragraphs(files: list[Path], rng: random.Random, want: int) -> list[str]:
+    """Plain-prose paragraphs (80-700 chars) from the pydoc sources, if installed."""
+    out: list[str] = []
+    for path in rng.sample(files, min(len(files), want)):
+        chunks = [c.strip() for c in path.read_text(encoding="utf-8", errors="replace").split("\n\n")]
+        prose = [c for c in chunks if 80 <= len(c) <= 700 and c[0].isalpha() and "::" not in c and ".." not in c]
+        if prose:
+            out.append(rng.choice(prose))
+    return out
+
+
+def response_prompts(count: int, heldout: bool, seed: int, stdlib: list[Path], pydoc: list[Path]) -> list[str]:
+    """`count` prompts, about 40% code (snippet tasks and docstring stubs) and 60% general chat."""
+    rng = random.Random(seed + (1 if heldout else 0))
+    topics, roles = _split(TOPICS, heldout), _split(ROLES, heldout)
+    stubs = implement_stubs(stdlib, rng, count // 5)
+    texts = paragraphs(pydoc, rng, count // 10) if pydoc else []
+    prompts: dict[str, None] = {}  # insertion-ordered set: a repeated prompt would repeat its greedy answer
+    add = prompts.setdefault
+    for _ in range(50 * count):
+        if len(prompts) >= count:
+            break
+        kind = rng.randrange(10)
+        if kind <= 1:
+            code = code_snippet(stdlib, rng)
+            if code:
+                add(rng.choice(CODE_TASKS).format(code=code))
+        elif kind <= 3 and stubs:
+            add(rng.choice(IMPLEMENT_TASKS).format(stub=stubs.pop()))
+        elif kind == 4:
+            add(rng.choice(WRITING).format(t=rng.choice(topics)))
+        elif kind == 5:
+            add(rng.choice(ROLEPLAY).format(r=rng.choice(roles), t=rng.choice(topics)))
+        elif kind <= 7:
+            t, u = rng.sample(topics, 2)
+            add(rng.choice(EXPLAIN).format(t=t, u=u))
+        elif kind == 8:
+            add(arithmetic_prompt(rng))
+        elif texts:
+            add(rng.choice(EXTRACT).format(p=texts.pop()))
+    return list(prompts)
