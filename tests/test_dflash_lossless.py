@@ -50,9 +50,12 @@ prompt_st = st.lists(st.integers(0, 96), min_size=1, max_size=60)
     size=st.sampled_from(BLOCK_SIZES),
     max_tokens=st.integers(1, 60),
     stops=st.lists(st.integers(0, 96), max_size=3),
+    bf16_draft_head=st.booleans(),
 )
-def test_greedy_dflash_equals_plain(models, prompts, size, max_tokens, stops):
+def test_greedy_dflash_equals_plain(models, prompts, size, max_tokens, stops, bf16_draft_head):
     runner = models[size]
+    # both draft-head paths on any CPU: fp32, and the bf16 one used where bf16 matmuls are fast
+    runner.draft_head_bf16 = runner.target.lm_head.weight.to(torch.bfloat16) if bf16_draft_head else None
     params = SamplingParams(max_tokens=max_tokens)
     plain = generate(runner, prompts, params, stops, use_draft=False)
     spec = generate(runner, prompts, params, stops, use_draft=True)

@@ -8,6 +8,7 @@ own cache lengths, and the scratch rows past a row's commit point are overwritte
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from blockspec.engine.kv_cache import Batch, SlotPool
 from blockspec.engine.sampler import next_token
@@ -15,6 +16,7 @@ from blockspec.engine.sequence import Sequence
 from blockspec.models.draft import DFlashDraft
 from blockspec.models.target import CausalLM
 from blockspec.spec.accept import greedy_accept, sampled_accept
+from blockspec.spec.draft_config import has_fast_bf16
 
 
 class ModelRunner:
@@ -36,6 +38,11 @@ class ModelRunner:
         self.draft_cache = draft.new_cache(num_slots, max_len) if draft is not None else None
         self.capture = tuple(draft.config.target_layer_ids) if draft is not None else ()
         self.device = target.embed_tokens.weight.device
+        # The draft only proposes (the target verifies in its own dtype), so its LM head may run in bf16
+        # where that is fast: over a block's rows it is most of the draft's cost on CPU.
+        head = target.lm_head.weight
+        fast = draft is not None and head.dtype == torch.float32 and has_fast_bf16(self.device)
+        self.draft_head_bf16 = head.to(torch.bfloat16) if fast else None
 
     def admit(self, seq: Sequence) -> None:
         seq.slot = self.pool.allocate()
@@ -60,8 +67,10 @@ class ModelRunner:
     def draft_tokens(self, seqs: list[Sequence], block: torch.Tensor, batch: Batch) -> torch.Tensor:
         """The draft's proposals [b, B-1] for blocks [bonus, MASK...]: argmax of the target's LM head."""
         embed = self.draft.embed_tokens if self.draft.embed_tokens is not None else self.target.embed_tokens
-        hidden = self.draft(embed(block), batch, self.draft_cache)
-        return self.target.lm_head(hidden[:, 1:]).argmax(dim=-1)
+        hidden = self.draft(embed(block), batch, self.draft_cache)[:, 1:]
+        if self.draft_head_bf16 is not None:
+            return F.linear(hidden.to(torch.bfloat16), self.draft_head_bf16).argmax(dim=-1)
+        return self.target.lm_head(hidden).argmax(dim=-1)
 
     @torch.inference_mode()
     def dflash_step(self, seqs: list[Sequence]) -> None:

@@ -25,7 +25,7 @@ from blockspec.models.draft import DFlashDraft
 from blockspec.models.gguf_convert import blockspec_home, ensure_default_model
 from blockspec.models.loader import load_draft, load_target, save_draft
 from blockspec.models.tokenizer import Tokenizer
-from blockspec.spec.draft_config import resolve_device
+from blockspec.spec.draft_config import has_fast_bf16, resolve_device
 from blockspec.train import data as D
 from blockspec.train.config import SAVE_DTYPES, TrainConfig, init_draft, make_draft_config
 from blockspec.train.features import FeatureStore, cache_key, extract, target_identity
@@ -277,14 +277,10 @@ class Trainer:
 
 
 def resolve_train_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto': bfloat16 on CUDA, and on CPUs with bf16 matrix units (AMX / AVX512-BF16: 2.7x the fp32
-    matmul rate on this project's Xeon); float32 elsewhere, where bf16 would be emulated and slower."""
+    """'auto': bfloat16 where bf16 matmuls are fast (CUDA, CPUs with AMX / AVX512-BF16), else float32."""
     if name != "auto":
         return getattr(torch, name)
-    if device.type == "cuda":
-        return torch.bfloat16
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    return torch.bfloat16 if ("amx_bf16" in flags or "avx512_bf16" in flags) else torch.float32
+    return torch.bfloat16 if has_fast_bf16(device) else torch.float32
 
 
 def train(cfg: TrainConfig) -> dict:
