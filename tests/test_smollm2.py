@@ -70,3 +70,17 @@ def test_dflash_with_random_draft_is_lossless(llm, spec_llm, block_size):
     for p, f in zip(plain, fast):
         assert f.token_ids == p.token_ids
         assert f.speculative_algorithm == "DFLASH" and all(1 <= a <= block_size for a in f.accept_lengths)
+
+
+def test_committed_trained_draft_is_lossless_and_accepts(llm):
+    """drafts/smollm2-run2 (the CPU-trained draft, not the default) loads against the real target,
+    keeps greedy output identical, and accepts more than the bonus token on average."""
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "drafts" / "smollm2-run2"
+    spec = LLM(draft_model_path=str(folder), block_size=4, max_num_seqs=1, max_model_len=1024)
+    params = SamplingParams(max_tokens=48)
+    plain = llm.chat(PROMPT, params)[0]
+    out = spec.chat(PROMPT, params)[0]
+    assert out.token_ids == plain.token_ids
+    assert sum(out.accept_lengths) / len(out.accept_lengths) > 1.1

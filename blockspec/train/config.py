@@ -49,7 +49,7 @@ class TrainConfig:
     init: str = "target"  # "target": draft layers start as the target's top layers; "random"; or a draft folder
     device: str = "auto"
     dtype: str = "auto"  # target dtype for feature extraction / response generation
-    train_dtype: str = "auto"  # autocast dtype of the draft's forward: bfloat16 on CUDA and on CPUs with bf16 units
+    train_dtype: str = "auto"  # autocast dtype of the draft's forward ("auto": bf16 where bf16 matmuls are fast)
     save_dtype: str = "float16"
     seed: int = 0
     resume: bool = False

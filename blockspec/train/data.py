@@ -8,8 +8,8 @@ Sources (`--data`, a comma list):
                extraction), generated with the engine's batched `LLM.generate` and cached on disk
   PATH.jsonl   one object per line: {"text": ...} or {"token_ids": [...]}
 Each source has a held-out split (stdlib/pydoc: the json and email modules and their docs;
-responses: prompts from held-out topics and those modules; jsonl: every 50th line) used only for the held-out
-tau estimate. Benchmark prompts (HumanEval, MT-Bench) are never used.
+responses: prompts from held-out topics and those modules; jsonl: every 50th line) used only for
+the held-out tau estimate. Benchmark prompts (HumanEval, MT-Bench) are never used.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__
 PYDOC_ROOT = Path("/usr/share/doc/python3.11/html/_sources")
 MIN_TOKENS = 32  # shorter documents (or window tails) are dropped
 JSONL_HELDOUT_EVERY = 50
+
+
 @dataclass(frozen=True)
 class TrainSequence:
     ids: list[int]

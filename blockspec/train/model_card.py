@@ -46,7 +46,7 @@ def write_model_card(path: Path, cfg: TrainConfig, draft: DraftConfig, target: P
         f"(HF hidden_states[id + 1]); mask token id {draft.mask_token_id}"
         + (f" (`{draft.mask_token}`)" if draft.mask_token else ""),
         "- shares the target's frozen embedding and LM head; initialised from "
-        + {"target": "the target's top layers", "random": "random weights"}.get(cfg.init, f"the draft in `{cfg.init}`"),
+        + {"target": "the target's top layers", "random": "random weights"}.get(cfg.init, f"the draft `{cfg.init}`"),
         "",
         "## Training", "",
         "```", cfg.command or "(called from Python)", "```", "",
@@ -54,8 +54,7 @@ def write_model_card(path: Path, cfg: TrainConfig, draft: DraftConfig, target: P
         f"- {stats.get('train_sequences')} training sequences, {stats.get('train_tokens')} tokens "
         f"(sequence length <= {cfg.seq_len}); held-out: {stats.get('eval_sequences')} sequences from the "
         f"{', '.join(HELDOUT_MODULES)} modules / docs and held-out prompt topics (never trained on). "
-        f"No benchmark prompts "
-        f"(HumanEval, MT-Bench) or their answers were used.",
+        f"No benchmark prompts (HumanEval, MT-Bench) or their answers were used.",
         f"- {stats.get('step')} of {stats.get('total_steps')} steps, batch {cfg.batch_size} sequences x "
         f"{cfg.anchors_per_seq} random anchors; AdamW lr {cfg.lr}, cosine schedule, warm-up ratio "
         f"{cfg.warmup_ratio}, grad clip {cfg.grad_clip}; loss decay gamma "
