@@ -128,10 +128,11 @@ class TrainVocab:
 
     def __init__(self, head_weight: torch.Tensor, counts: torch.Tensor, size: int) -> None:
         ids = counts.topk(min(size, counts.numel())).indices.sort().values
-        self.weight = head_weight.detach()[ids.to(head_weight.device)].clone()  # [size, H]
-        self.remap = torch.full((counts.numel(),), IGNORE, dtype=torch.long, device=head_weight.device)
-        self.remap[ids.to(head_weight.device)] = torch.arange(ids.numel(), device=head_weight.device)
         self.coverage = (counts[ids].sum() / counts.sum().clamp(min=1)).item()
+        ids, device = ids.to(head_weight.device), head_weight.device
+        self.weight = head_weight.detach()[ids].clone()  # [size, H]
+        self.remap = torch.full((counts.numel(),), IGNORE, dtype=torch.long, device=device)
+        self.remap[ids] = torch.arange(ids.numel(), device=device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
