@@ -101,6 +101,7 @@ class LLM:
             log.warning("speculative_algorithm=NONE: ignoring draft_model_path=%s", draft_model_path)
             draft_model_path = None
         self.target = load_target(self.model_path, self.dtype, self.device)
+        self.target.fold_norm_weights()
         self.tokenizer = Tokenizer.from_folder(self.model_path)
         self.draft = None
         if draft_model_path is not None:

@@ -173,6 +173,7 @@ def test_hf_baseline_row(tiny) -> None:
     assert code == 0 and report["num_prompts"] == 2
     assert report["baseline"] == "hf" and report["baseline_tokens_per_s"] == report["hf_tokens_per_s"] > 0
     assert report["ar_tokens_per_s"] > 0 and report["speedup_vs_ar"] > 0 and report["speedup"] == report["speedup_vs_hf"]
+    assert report["ar_speedup_vs_hf"] > 0 and report["ar_speedup_vs_hf_median"] > 0
     assert report["outputs_match"] == 1.0 and report["hf_outputs_match"] is not None
     assert report["per_prompt"][0]["hf_tpot_ms"] > 0
 

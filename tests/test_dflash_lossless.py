@@ -13,6 +13,7 @@ from blockspec.engine.kv_cache import Batch
 from blockspec.engine.sampler import filtered_probs
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
+from blockspec.models.argmax_head import Int8ArgmaxHead
 from blockspec.models.loader import load_draft, load_target
 from blockspec.sampling_params import SamplingParams
 from tests.tiny import write_tiny_draft, write_tiny_target
@@ -50,12 +51,12 @@ prompt_st = st.lists(st.integers(0, 96), min_size=1, max_size=60)
     size=st.sampled_from(BLOCK_SIZES),
     max_tokens=st.integers(1, 60),
     stops=st.lists(st.integers(0, 96), max_size=3),
-    bf16_draft_head=st.booleans(),
+    int8_head=st.booleans(),
 )
-def test_greedy_dflash_equals_plain(models, prompts, size, max_tokens, stops, bf16_draft_head):
+def test_greedy_dflash_equals_plain(models, prompts, size, max_tokens, stops, int8_head):
     runner = models[size]
-    # both draft-head paths on any CPU: fp32, and the bf16 one used where bf16 matmuls are fast
-    runner.draft_head_bf16 = runner.target.lm_head.weight.to(torch.bfloat16) if bf16_draft_head else None
+    # both LM-head paths on any CPU: plain fp32, and the int8 one used where bf16 matmuls are fast
+    runner.argmax_head = Int8ArgmaxHead(runner.target.lm_head.weight) if int8_head else None
     params = SamplingParams(max_tokens=max_tokens)
     plain = generate(runner, prompts, params, stops, use_draft=False)
     spec = generate(runner, prompts, params, stops, use_draft=True)
@@ -105,6 +106,7 @@ def test_oracle_draft_is_fully_accepted(models, size):
     assert seq.accept_lengths[:full_steps] == [size] * full_steps
 
 
+@torch.inference_mode()
 def exact_next(target, prefixes: list[list[int]], params) -> torch.Tensor:
     """The target's filtered next-token distribution after each prefix (all of one length)."""
     cache = target.new_cache(len(prefixes), len(prefixes[0]) + 1)

@@ -172,10 +172,12 @@ def print_table(report: dict, out: TextIO | None = None) -> None:
     for name, summary in methods.items():
         if name.startswith("dflash"):
             continue
-        spd = "1.00x" if name == base else "-"
+        spd, spd_med = ("1.00x", "-") if name == base else ("-", "-")
+        if name == "ar" and base == "hf" and report.get("ar_speedup_vs_hf") is not None:
+            spd, spd_med = f"{report['ar_speedup_vs_hf']:.2f}x", f"{report['ar_speedup_vs_hf_median']:.2f}x"
         print(f"{name + (' (baseline)' if name == base else ''):<14}{_fmt(summary['tokens_per_s'], '.2f'):>9}"
               f"{_fmt(summary['tokens_per_s_median'], '.2f'):>11}{_fmt(summary['tpot_ms_mean'], '.1f'):>10}"
-              f"{_fmt(summary['tpot_ms_median'], '.1f'):>10}{spd:>9}{'-':>9}{'-':>7}", file=out)
+              f"{_fmt(summary['tpot_ms_median'], '.1f'):>10}{spd:>9}{spd_med:>9}{'-':>7}", file=out)
     for row in rows:
         if row.get("dflash_tokens_per_s") is None and row.get("mean_accept_length") is None:
             continue
@@ -263,6 +265,8 @@ def build_report(samples: list[Sample], names: list[str], dflash: list[tuple[str
               "ar_tokens_per_s": summaries["ar"]["tokens_per_s"] if "ar" in names else None,
               "hf_tokens_per_s": summaries["hf"]["tokens_per_s"] if "hf" in names else None,
               "methods": summaries, "timing": TIMING}
+    if "ar" in names and "hf" in names:  # our plain decoding vs transformers generate (issue 2's figure)
+        report["ar_speedup_vs_hf"], report["ar_speedup_vs_hf_median"] = speedups(paired, "hf", "ar")
     if len(entries) > 1:
         report["sweep"] = [{k: v for k, v in e.items() if k != "per_prompt"} for e in entries]
         report["notes"] = report["notes"] + [f"sweep: top-level DFlash fields are block size {best['block_size']} "

@@ -5,6 +5,7 @@ addresses both the target cache and the draft cache (as in SGLang, the two share
 so one admission decision covers both. Appending writes rows in place; rolling back a rejected
 draft tail is O(1): the sequence's length simply does not advance past the committed tokens, and
 later writes overwrite the garbage rows. Why slabs and not pages: see docs/architecture.md.
+Writes happen under torch.inference_mode() / no_grad (the per-layer views go stale in grad mode).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class KVCache:
         # torch.empty: pages are only touched (and so only use memory) when a sequence writes them.
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
+        # Per-layer views (fewer index ops per write). Not unbind(): its views refuse in-place writes in grad mode.
+        self.k_layers = [self.k[i] for i in range(num_layers)]
+        self.v_layers = [self.v[i] for i in range(num_layers)]
         self.max_len = max_len
         self._clean_upto = [0] * num_slots  # rows below this are zeroed or written, per slot
 
@@ -51,21 +55,22 @@ class KVCache:
         n = k.shape[1]
         if batch.size == 1:
             slot, start = batch.slots[0], batch.starts[0]
-            self.k[layer, slot, :, start : start + n] = k[0].transpose(0, 1)
-            self.v[layer, slot, :, start : start + n] = v[0].transpose(0, 1)
+            self.k_layers[layer][slot].narrow(1, start, n).copy_(k[0].transpose(0, 1))
+            self.v_layers[layer][slot].narrow(1, start, n).copy_(v[0].transpose(0, 1))
             return
         slot_idx, pos_idx = batch.write_index(n, k.device)
         heads = torch.arange(k.shape[2], device=k.device).view(1, -1, 1)
-        self.k[layer].index_put_((slot_idx, heads, pos_idx), k.transpose(1, 2))
-        self.v[layer].index_put_((slot_idx, heads, pos_idx), v.transpose(1, 2))
+        self.k_layers[layer].index_put_((slot_idx, heads, pos_idx), k.transpose(1, 2))
+        self.v_layers[layer].index_put_((slot_idx, heads, pos_idx), v.transpose(1, 2))
 
     def read(self, layer: int, batch: "Batch", length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the first `length` positions of every sequence in the batch: [b, kv_heads, length, d]."""
+        k, v = self.k_layers[layer], self.v_layers[layer]
         if batch.size == 1:
             slot = batch.slots[0]
-            return self.k[layer, slot : slot + 1, :, :length], self.v[layer, slot : slot + 1, :, :length]
+            return k[slot : slot + 1, :, :length], v[slot : slot + 1, :, :length]
         index = batch.slot_tensor(self.k.device)
-        return self.k[layer, index, :, :length], self.v[layer, index, :, :length]
+        return k[index, :, :length], v[index, :, :length]
 
 
 @dataclass

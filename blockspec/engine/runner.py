@@ -8,11 +8,11 @@ own cache lengths, and the scratch rows past a row's commit point are overwritte
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from blockspec.engine.kv_cache import Batch, SlotPool
 from blockspec.engine.sampler import next_token
 from blockspec.engine.sequence import Sequence
+from blockspec.models.argmax_head import Int8ArgmaxHead
 from blockspec.models.draft import DFlashDraft
 from blockspec.models.target import CausalLM
 from blockspec.spec.accept import greedy_accept, sampled_accept
@@ -38,11 +38,12 @@ class ModelRunner:
         self.draft_cache = draft.new_cache(num_slots, max_len) if draft is not None else None
         self.capture = tuple(draft.config.target_layer_ids) if draft is not None else ()
         self.device = target.embed_tokens.weight.device
-        # The draft only proposes (the target verifies in its own dtype), so its LM head may run in bf16
-        # where that is fast: over a block's rows it is most of the draft's cost on CPU.
+        # On a CPU with bf16 units an int8 copy of the fp32 LM head gives exact greedy choices at a third
+        # of the head's memory traffic, and ranks the draft's proposals (which need not be exact).
         head = target.lm_head.weight
-        fast = draft is not None and head.dtype == torch.float32 and has_fast_bf16(self.device)
-        self.draft_head_bf16 = head.to(torch.bfloat16) if fast else None
+        fast = self.device.type == "cpu" and head.dtype == torch.float32 and has_fast_bf16(self.device)
+        fast = fast and Int8ArgmaxHead.supports(head)
+        self.argmax_head = Int8ArgmaxHead(head) if fast else None
 
     def admit(self, seq: Sequence) -> None:
         seq.slot = self.pool.allocate()
@@ -52,24 +53,49 @@ class ModelRunner:
             self.pool.free(seq.slot)
             seq.slot = -1
 
+    def target_outputs(self, seqs: list[Sequence], hidden: torch.Tensor) -> list[torch.Tensor]:
+        """Per row of hidden [b, ..., H] (last layer, before the final norm): the target's greedy
+        token ids [...] for a greedy request, its fp32 logits [..., V] for a sampled one."""
+        greedy = [row for row, s in enumerate(seqs) if s.params.greedy]
+        sampled = [row for row, s in enumerate(seqs) if not s.params.greedy]
+        out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+        if greedy:
+            normed = self.target.norm(hidden[greedy])
+            if self.argmax_head is not None:
+                flat = self.argmax_head.argmax(normed.reshape(-1, normed.shape[-1]))
+                choices = flat.view(normed.shape[:-1])
+            else:
+                choices = self.target.lm_head(normed).argmax(dim=-1)
+            for i, row in enumerate(greedy):
+                out[row] = choices[i]
+        if sampled:
+            logits = self.target.logits(hidden[sampled])
+            for i, row in enumerate(sampled):
+                out[row] = logits[i]
+        return out
+
+    def emit_next(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        """Emit one token per sequence from the hidden state [b, H] of its last position."""
+        for seq, out in zip(seqs, self.target_outputs(seqs, hidden)):
+            seq.emit([int(out) if seq.params.greedy else next_token(out, seq.params, seq.generator)])
+
     @torch.inference_mode()
     def decode_step(self, seqs: list[Sequence]) -> None:
         """Plain autoregressive step: one token for every sequence."""
         batch = Batch([s.slot for s in seqs], [s.num_cached for s in seqs])
         ids = torch.tensor([[s.pending_token] for s in seqs], device=self.device)
         hidden, _ = self.target(ids, batch, self.target_cache)
-        logits = self.target.logits(hidden[:, -1])
-        for row, seq in enumerate(seqs):
+        for seq in seqs:
             seq.num_cached += 1
-            seq.emit([next_token(logits[row], seq.params, seq.generator)])
             seq.accept_lengths.append(1)
+        self.emit_next(seqs, hidden[:, -1])
 
     def draft_tokens(self, seqs: list[Sequence], block: torch.Tensor, batch: Batch) -> torch.Tensor:
         """The draft's proposals [b, B-1] for blocks [bonus, MASK...]: argmax of the target's LM head."""
         embed = self.draft.embed_tokens if self.draft.embed_tokens is not None else self.target.embed_tokens
         hidden = self.draft(embed(block), batch, self.draft_cache)[:, 1:]
-        if self.draft_head_bf16 is not None:
-            return F.linear(hidden.to(torch.bfloat16), self.draft_head_bf16).argmax(dim=-1)
+        if self.argmax_head is not None:
+            return self.argmax_head.scores(hidden.reshape(-1, hidden.shape[-1])).argmax(dim=-1).view(hidden.shape[:2])
         return self.target.lm_head(hidden).argmax(dim=-1)
 
     @torch.inference_mode()
@@ -82,15 +108,15 @@ class ModelRunner:
         drafts = self.draft_tokens(seqs, block, batch)
         candidates = torch.cat([block[:, :1], drafts], dim=1)
         hidden, features = self.target(candidates, batch, self.target_cache, self.capture)
-        logits = self.target.logits(hidden)
+        outputs = self.target_outputs(seqs, hidden)
         # Context K/V for all B rows: rows past a sequence's commit point are overwritten by the next
         # draft block (which starts right after the commit) before anything attends to them.
         self.draft.inject(features, batch, self.draft_cache)
         for row, seq in enumerate(seqs):
             if seq.params.greedy:
-                accepted, bonus = greedy_accept(drafts[row], logits[row])
+                accepted, bonus = greedy_accept(drafts[row], outputs[row])
             else:
-                accepted, bonus = sampled_accept(drafts[row], logits[row], seq.params, seq.generator)
+                accepted, bonus = sampled_accept(drafts[row], outputs[row], seq.params, seq.generator)
             seq.num_cached += accepted + 1
             seq.accept_lengths.append(accepted + 1)
             seq.emit(drafts[row, :accepted].tolist() + [bonus])
@@ -120,6 +146,4 @@ class ModelRunner:
     @torch.inference_mode()
     def sample_first(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         """Emit each sequence's first token from the hidden state of its last prompt token [b, H]."""
-        logits = self.target.logits(hidden)
-        for row, seq in enumerate(seqs):
-            seq.emit([next_token(logits[row], seq.params, seq.generator)])
+        self.emit_next(seqs, hidden)

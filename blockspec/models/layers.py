@@ -54,7 +54,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)  # .to: bf16 autocast training
+        weight = self.weight  # None once folded into the next projection (CausalLM.fold_norm_weights)
+        if x.dtype != torch.float32:  # F.rms_norm accumulates low-precision inputs in fp32
+            return F.rms_norm(x, (x.shape[-1],), None if weight is None else weight.to(x.dtype), self.eps)
+        # Same values as F.rms_norm in fp32, in fewer kernels: on the decode path (one row, 61 norms per
+        # token) F.rms_norm's internal casts and reductions cost ~0.5 ms per token more on CPU.
+        scale = torch.linalg.vecdot(x, x).unsqueeze(-1).div_(x.shape[-1]).add_(self.eps).rsqrt_()
+        return torch.mul(x, scale) if weight is None else torch.mul(x, scale).mul_(weight)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

@@ -11,10 +11,9 @@ from blockspec.engine.sampler import filtered_probs, sample
 from blockspec.sampling_params import SamplingParams
 
 
-def greedy_accept(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
-    """drafts [B-1], target_logits [B, V]: the longest prefix where draft == target argmax, and the
-    target's argmax at the first mismatch (or after the last draft) as the bonus."""
-    choice = target_logits.argmax(dim=-1)
+def greedy_accept(drafts: torch.Tensor, choice: torch.Tensor) -> tuple[int, int]:
+    """drafts [B-1], choice [B] (the target's argmax per position): the longest prefix where
+    draft == choice, and the target's choice at the first mismatch (or after the last draft) as the bonus."""
     accepted = int((drafts == choice[:-1]).int().cumprod(0).sum())
     return accepted, int(choice[accepted])
 

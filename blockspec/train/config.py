@@ -168,6 +168,8 @@ def init_draft(draft: DFlashDraft, target: CausalLM, how: str, generator: torch.
     if how != "target":
         return
     n, big_l, h = len(draft.layers), len(target.layers), draft.config.hidden_size
+    if target.layers[0].input_layernorm.weight is None:
+        raise ValueError("init 'target' needs the checkpoint's layers: load the target without fold_norm_weights()")
     for i, layer in enumerate(draft.layers):
         src = target.layers[big_l - n + i]
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj",
