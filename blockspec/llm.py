@@ -139,7 +139,8 @@ class LLM:
                 f"DFLASH block_size={block_size!r} must be an integer in [2, {limit}] for this LLM (its KV slabs "
                 f"were sized for block_size={limit}); build the LLM with the largest block size you will use."
             )
-        self.block_size = self.runner.block_size = block_size
+        self.block_size = block_size
+        self.runner.set_block_size(block_size)
 
     def _sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

@@ -55,6 +55,7 @@ prompt_st = st.lists(st.integers(0, 96), min_size=1, max_size=60)
 )
 def test_greedy_dflash_equals_plain(models, prompts, size, max_tokens, stops, int8_head):
     runner = models[size]
+    runner.set_block_size(size)  # the runners share one target: pack its weights for this block size
     # both LM-head paths on any CPU: plain fp32, and the int8 one used where bf16 matmuls are fast
     runner.argmax_head = Int8ArgmaxHead(runner.target.lm_head.weight) if int8_head else None
     params = SamplingParams(max_tokens=max_tokens)

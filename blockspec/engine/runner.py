@@ -14,6 +14,7 @@ from blockspec.engine.sampler import next_token
 from blockspec.engine.sequence import Sequence
 from blockspec.models.argmax_head import Int8ArgmaxHead
 from blockspec.models.draft import DFlashDraft
+from blockspec.models.layers import Linear
 from blockspec.models.target import CausalLM
 from blockspec.spec.accept import greedy_accept, sampled_accept
 from blockspec.spec.draft_config import has_fast_bf16
@@ -31,7 +32,7 @@ class ModelRunner:
         prefill_chunk: int = 512,
     ) -> None:
         self.target, self.draft = target, draft
-        self.block_size, self.mask_token_id = block_size, mask_token_id
+        self.mask_token_id = mask_token_id
         self.max_len, self.prefill_chunk = max_len, prefill_chunk
         self.pool = SlotPool(num_slots)
         self.target_cache = target.new_cache(num_slots, max_len)
@@ -44,6 +45,16 @@ class ModelRunner:
         fast = self.device.type == "cpu" and head.dtype == torch.float32 and has_fast_bf16(self.device)
         fast = fast and Int8ArgmaxHead.supports(head)
         self.argmax_head = Int8ArgmaxHead(head) if fast else None
+        self.set_block_size(block_size)
+
+    def set_block_size(self, block_size: int) -> None:
+        self.block_size = block_size
+        if self.draft is None or not torch.backends.mkl.is_available():
+            return
+        for model in (self.target, self.draft):
+            for module in model.modules():
+                if isinstance(module, Linear) and module is not self.target.lm_head:
+                    module.pack_for(block_size)  # batch-1 verify and draft passes: exactly B rows
 
     def admit(self, seq: Sequence) -> None:
         seq.slot = self.pool.allocate()

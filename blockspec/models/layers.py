@@ -39,11 +39,28 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(in_features, self.out_features).t())
         self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
 
+    packed: dict[int, torch.Tensor]  # rows -> MKL-packed weight (see pack_for)
+
+    def pack_for(self, rows: int | None) -> None:
+        """Keep an MKL-packed copy of the fp32 weight for inputs of exactly `rows` rows (None: drop it).
+        A packed GEMM skips re-packing the weight on every call: measured 1.2x (4 rows) to 1.6x (8 rows)
+        faster than the plain GEMM at SmolLM2's shapes on CPU, i.e. nearly the cost of one decode row;
+        DFlash's verify and draft passes always have B rows at batch 1. Costs a second copy of the weight."""
+        self.packed = {}
+        if rows is not None and rows > 1 and self.weight.dtype == torch.float32 and self.weight.device.type == "cpu":
+            self.packed[rows] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach().contiguous(), rows)
+
     def shard_slice(self, index: int) -> slice:
         start = sum(self.shards[:index])
         return slice(start, start + self.shards[index])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.__dict__.get("packed")
+        if packed:
+            rows = x.numel() // x.shape[-1]
+            if rows in packed:
+                flat = torch.ops.mkl._mkl_linear(x.reshape(rows, -1), packed[rows], self.weight, self.bias, rows)
+                return flat.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
 
 

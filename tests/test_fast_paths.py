@@ -1,4 +1,5 @@
-"""The int8 argmax head returns exactly the fp32 argmax (ties to the lowest id), for any inputs."""
+"""CPU fast paths that must not change results: the int8 argmax head (exactly the fp32 argmax, ties to
+the lowest id) and the MKL-packed Linear."""
 
 import pytest
 import torch
@@ -43,3 +44,24 @@ def test_unsupported_width_is_refused():
     assert not Int8ArgmaxHead.supports(torch.zeros(10, 8))
     with pytest.raises(ValueError, match="multiple of 16"):
         Int8ArgmaxHead(torch.zeros(10, 8))
+
+
+def test_packed_linear_matches_and_falls_back():
+    """Linear.pack_for: the MKL-packed GEMM for exactly `rows` rows; other row counts use F.linear."""
+    from blockspec.models.layers import Linear
+
+    if not torch.backends.mkl.is_available():
+        pytest.skip("no MKL")
+    torch.manual_seed(0)
+    layer = Linear(64, [48, 16], bias=True)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    x = torch.randn(1, 4, 64)
+    plain = layer(x)
+    layer.pack_for(4)
+    assert set(layer.packed) == {4}
+    torch.testing.assert_close(layer(x), plain, rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer(x[:, :3]), torch.nn.functional.linear(x[:, :3], layer.weight, layer.bias))
+    layer.pack_for(None)
+    assert layer.packed == {}
