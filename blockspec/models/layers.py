@@ -137,12 +137,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
+def fold_mask(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask [b, n, L] (True = visible) as `attention` uses it: additive (0 / -inf) in `dtype`,
+    repeated for the `groups` query heads per KV head: [b, 1, groups * n, L]. A model builds it once per
+    forward instead of once per layer."""
+    b, n, length = mask.shape
+    additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return additive.unsqueeze(1).expand(b, groups, n, length).reshape(b, 1, groups * n, length)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Grouped-query attention without repeating K/V.
 
-    q: [b, n, heads, d]; k, v: [b, kv_heads, L, d]; mask: bool [b, n, L] (True = visible) or None.
-    The query heads of one KV group are folded into the sequence axis so SDPA sees kv_heads heads.
-    Returns [b, n, heads * d].
+    q: [b, n, heads, d]; k, v: [b, kv_heads, L, d]; mask: bool [b, n, L] (True = visible), a
+    `fold_mask` result, or None. The query heads of one KV group are folded into the sequence axis so
+    SDPA sees kv_heads heads. Returns [b, n, heads * d].
     """
     b, n, heads, d = q.shape
     kv_heads = k.shape[1]
@@ -151,7 +160,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         out = F.scaled_dot_product_attention(q.reshape(b, kv_heads, groups, d), k, v)
         return out.reshape(b, 1, heads * d)
     q = q.view(b, n, kv_heads, groups, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, groups * n, d)
-    if mask is not None:
-        mask = mask.unsqueeze(1).expand(b, groups, n, mask.shape[-1]).reshape(b, 1, groups * n, mask.shape[-1])
+    if mask is not None and mask.dim() == 3:
+        mask = fold_mask(mask, groups, q.dtype)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out.view(b, kv_heads, groups, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, heads * d)

@@ -13,7 +13,7 @@ from torch import nn
 
 from blockspec.config import ModelConfig
 from blockspec.engine.kv_cache import Batch, KVCache
-from blockspec.models.layers import Linear, RMSNorm, Rotary, apply_rope, attention
+from blockspec.models.layers import Linear, RMSNorm, Rotary, apply_rope, attention, fold_mask
 
 
 class SelfAttention(nn.Module):
@@ -106,6 +106,9 @@ class CausalLM(nn.Module):
         length = max(batch.starts) + n
         cache.prepare(batch, length)
         mask = causal_mask(positions, length)
+        if mask is not None:
+            cfg = self.config
+            mask = fold_mask(mask, cfg.num_attention_heads // cfg.num_key_value_heads, self.embed_tokens.weight.dtype)
         rope = self.rotary.table(positions, self.embed_tokens.weight.dtype)
         x = self.embed_tokens(input_ids)
         captured: dict[int, torch.Tensor] = {}
