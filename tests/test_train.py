@@ -19,7 +19,7 @@ from blockspec.spec.draft_config import resolve_draft_config
 from blockspec.train.config import TrainConfig
 from blockspec.train import data as D
 from blockspec.train.data import DataSpec, TrainSequence
-from blockspec.train.features import target_features
+from blockspec.train.features import target_features, target_identity
 from blockspec.train.objective import (IGNORE, Blocks, TrainVocab, build_blocks, cosine_with_warmup, dflash_loss,
                                        loss_weights, sample_anchors, training_mask)
 from blockspec.train.prompts import TOPICS, response_prompts
@@ -308,3 +308,20 @@ def test_train_vocab_restricts_the_softmax_and_skips_rare_labels():
     a, _ = dflash_loss(hidden, head, blocks, w)
     c, _ = dflash_loss(hidden, head, blocks, w, full)
     assert torch.allclose(a, c, atol=1e-6)
+
+
+def test_target_identity_follows_content_not_mtime(tmp_path) -> None:
+    """A re-made but identical checkpoint keeps its feature/response caches; changed weights do not."""
+    import os
+
+    from tests.tiny import write_tiny_target
+
+    write_tiny_target(tmp_path, "llama")
+    before = target_identity(tmp_path)
+    weights = next(tmp_path.glob("*.safetensors"))
+    os.utime(weights, ns=(1, 1))
+    assert target_identity(tmp_path) == before
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert target_identity(tmp_path) != before

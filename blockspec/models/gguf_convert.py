@@ -125,10 +125,10 @@ def _exclusive_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
             digest.update(chunk)
     return digest.hexdigest()
 
@@ -137,7 +137,7 @@ def _write_marker(folder: Path, source: Path) -> None:
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
     stat = source.stat()
     marker = {"format": FORMAT_VERSION, "source": str(source), "gguf_size": stat.st_size,
-              "gguf_mtime_ns": stat.st_mtime_ns, "gguf_sha256": _sha256(source), "files": files}
+              "gguf_mtime_ns": stat.st_mtime_ns, "gguf_sha256": file_sha256(source), "files": files}
     (folder / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
 
 
@@ -160,7 +160,7 @@ def _marker_ok(folder: Path, source: Path | None) -> bool:
             return False
         if marker.get("gguf_mtime_ns") == stat.st_mtime_ns:
             return True
-        if marker.get("gguf_sha256") != _sha256(source):
+        if marker.get("gguf_sha256") != file_sha256(source):
             return False
         with contextlib.suppress(OSError):  # a read-only cache stays usable
             (folder / MARKER).write_text(json.dumps({**marker, "gguf_mtime_ns": stat.st_mtime_ns}, indent=1) + "\n")
