@@ -74,10 +74,22 @@ class RMSNorm(nn.Module):
         weight = self.weight  # None once folded into the next projection (CausalLM.fold_norm_weights)
         if x.dtype != torch.float32:  # F.rms_norm accumulates low-precision inputs in fp32
             return F.rms_norm(x, (x.shape[-1],), None if weight is None else weight.to(x.dtype), self.eps)
-        # Same values as F.rms_norm in fp32, in fewer kernels: on the decode path (one row, 61 norms per
-        # token) F.rms_norm's internal casts and reductions cost ~0.5 ms per token more on CPU.
-        scale = torch.linalg.vecdot(x, x).unsqueeze(-1).div_(x.shape[-1]).add_(self.eps).rsqrt_()
+        # F.rms_norm's values in fewer kernels: on the decode path (one row, 61 norms per token) its internal
+        # casts and reductions cost ~0.5 ms per token more on CPU, and a 1x1 addmm (eps + x.x/H in one
+        # kernel) ~1 ms less than a reduction chain.
+        if x.numel() == x.shape[-1]:
+            flat = x.reshape(1, -1)
+            mean_square = torch.addmm(self._eps_like(x), flat, flat.t(), alpha=1.0 / flat.shape[1])
+            scale = mean_square.rsqrt_().view(*x.shape[:-1], 1)
+        else:
+            scale = torch.linalg.vecdot(x, x).unsqueeze(-1).div_(x.shape[-1]).add_(self.eps).rsqrt_()
         return torch.mul(x, scale) if weight is None else torch.mul(x, scale).mul_(weight)
+
+    def _eps_like(self, x: torch.Tensor) -> torch.Tensor:
+        eps = self.__dict__.get("_eps")
+        if eps is None or eps.device != x.device or eps.dtype != x.dtype:
+            eps = self.__dict__["_eps"] = torch.full((1, 1), self.eps, dtype=x.dtype, device=x.device)
+        return eps
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

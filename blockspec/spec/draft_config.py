@@ -73,6 +73,9 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+MAX_DRAFT_LAYERS = 1024
+
+
 def _int(value: object, name: str, where: str, minimum: int = 1, fix: str = _FIX) -> int:
     if not _is_int(value):
         raise DraftConfigError(f"DFLASH {where}: invalid {name}={value!r} (a {type(value).__name__}); "
@@ -262,6 +265,9 @@ def resolve_draft_config(raw: dict, *, target: ModelConfig, source: str = "confi
         raise DraftConfigError(f"DFLASH {source}: hidden_act={raw['hidden_act']!r} is not supported; "
                                f"DFlash drafts use silu (SwiGLU). {_FIX}")
     layers = _int(raw.get("num_hidden_layers"), "num_hidden_layers", source)
+    if layers > MAX_DRAFT_LAYERS:  # found by the junk-config property test: a huge count exhausted memory
+        raise DraftConfigError(f"DFLASH {source}: num_hidden_layers={layers} is implausible for a draft (DFlash "
+                               f"drafts have 1-8 layers; the limit is {MAX_DRAFT_LAYERS}). {_FIX}")
     hidden = _int(raw.get("hidden_size"), "hidden_size", source)
     if hidden != target.hidden_size:
         raise DraftConfigError(
