@@ -39,13 +39,12 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(in_features, self.out_features).t())
         self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
 
-    packed: dict[int, torch.Tensor]  # rows -> MKL-packed weight (see pack_for)
-
     def pack_for(self, rows: int | None) -> None:
         """Keep an MKL-packed copy of the fp32 weight for inputs of exactly `rows` rows (None: drop it).
-        A packed GEMM skips re-packing the weight on every call: measured 1.2x (4 rows) to 1.6x (8 rows)
+        A packed GEMM skips re-packing the weight on every call: measured 1.3x (4 rows) to 1.6x (8 rows)
         faster than the plain GEMM at SmolLM2's shapes on CPU, i.e. nearly the cost of one decode row;
-        DFlash's verify and draft passes always have B rows at batch 1. Costs a second copy of the weight."""
+        DFlash's verify and draft passes always have B rows at batch 1. Costs a second copy of the weight,
+        taken now: pack after the weights are final (the runner does)."""
         self.packed = {}
         if rows is not None and rows > 1 and self.weight.dtype == torch.float32 and self.weight.device.type == "cpu":
             self.packed[rows] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach().contiguous(), rows)
@@ -74,7 +73,7 @@ class RMSNorm(nn.Module):
         weight = self.weight  # None once folded into the next projection (CausalLM.fold_norm_weights)
         if x.dtype != torch.float32:  # F.rms_norm accumulates low-precision inputs in fp32
             return F.rms_norm(x, (x.shape[-1],), None if weight is None else weight.to(x.dtype), self.eps)
-        # F.rms_norm's values in fewer kernels: on the decode path (one row, 61 norms per token) its internal
+        # F.rms_norm's math in fewer kernels (equal up to fp32 rounding): on the decode path (one row, 61 norms per token) its internal
         # casts and reductions cost ~0.5 ms per token more on CPU, and a 1x1 addmm (eps + x.x/H in one
         # kernel) ~1 ms less than a reduction chain.
         if x.numel() == x.shape[-1]:
