@@ -261,11 +261,12 @@ class Trainer:
         return vocab
 
     def start_weights(self, folder: Path) -> dict[str, torch.Tensor]:
-        """--init FOLDER: the weights of an existing draft whose shape matches the one being trained."""
+        """--init FOLDER: the weights of an existing draft whose shape matches the one being trained. The
+        block size may differ: the weights do not depend on it (a draft trained at 16 can be tuned for 4)."""
         token_to_id = self.tokenizer.token_to_id if self.tokenizer else None
         old = load_draft(folder, self.target_cfg, torch.float32, torch.device("cpu"), token_to_id)
         mine, theirs = self.draft_cfg, old.config
-        for name in ("block_size", "target_layer_ids", "mask_token_id", "num_hidden_layers", "has_embed_tokens"):
+        for name in ("target_layer_ids", "mask_token_id", "num_hidden_layers", "has_embed_tokens"):
             if getattr(mine, name) != getattr(theirs, name):
                 raise BlockspecError(f"train-draft: --init {folder} has {name}={getattr(theirs, name)}, but this run "
                                      f"trains {name}={getattr(mine, name)}. Match the flags to that draft "
