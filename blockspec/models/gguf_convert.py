@@ -136,8 +136,11 @@ def file_sha256(path: Path) -> str:
 def _write_marker(folder: Path, source: Path) -> None:
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
     stat = source.stat()
-    marker = {"format": FORMAT_VERSION, "source": str(source), "gguf_size": stat.st_size,
-              "gguf_mtime_ns": stat.st_mtime_ns, "gguf_sha256": file_sha256(source), "files": files}
+    _save_marker(folder, {"format": FORMAT_VERSION, "source": str(source), "gguf_size": stat.st_size,
+                          "gguf_mtime_ns": stat.st_mtime_ns, "gguf_sha256": file_sha256(source), "files": files})
+
+
+def _save_marker(folder: Path, marker: dict) -> None:
     (folder / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
 
 
@@ -163,7 +166,7 @@ def _marker_ok(folder: Path, source: Path | None) -> bool:
         if marker.get("gguf_sha256") != file_sha256(source):
             return False
         with contextlib.suppress(OSError):  # a read-only cache stays usable
-            (folder / MARKER).write_text(json.dumps({**marker, "gguf_mtime_ns": stat.st_mtime_ns}, indent=1) + "\n")
+            _save_marker(folder, {**marker, "gguf_mtime_ns": stat.st_mtime_ns})
         return True
     except (OSError, ValueError, TypeError, AttributeError):
         return False

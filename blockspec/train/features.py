@@ -41,7 +41,6 @@ def target_identity(target_path: Path) -> dict:
             "weights": [(f.name, file_sha256(f)) for f in files]}
 
 
-
 def cache_key(**fields) -> str:
     blob = json.dumps({"version": FORMAT_VERSION, **fields}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
