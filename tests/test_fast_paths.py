@@ -46,22 +46,24 @@ def test_unsupported_width_is_refused():
         Int8ArgmaxHead(torch.zeros(10, 8))
 
 
-def test_packed_linear_matches_and_falls_back():
-    """Linear.pack_for: the MKL-packed GEMM for exactly `rows` rows; other row counts use F.linear."""
+@pytest.mark.parametrize("rows", [2, 4])
+def test_packed_linear_matches_and_falls_back(rows):
+    """Linear.pack_for: a weight copy laid out for exactly `rows` rows (row-major for 2, MKL-packed for
+    more); other row counts use F.linear on the stored weight."""
     from blockspec.models.layers import Linear
 
-    if not torch.backends.mkl.is_available():
+    if rows > 2 and not torch.backends.mkl.is_available():
         pytest.skip("no MKL")
     torch.manual_seed(0)
     layer = Linear(64, [48, 16], bias=True)
     with torch.no_grad():
         layer.weight.normal_()
         layer.bias.normal_()
-    x = torch.randn(1, 4, 64)
+    x = torch.randn(1, rows, 64)
     plain = layer(x)
-    layer.pack_for(4)
-    assert set(layer.packed) == {4}
+    layer.pack_for(rows)
+    assert layer.fast[0] == rows
     torch.testing.assert_close(layer(x), plain, rtol=1e-5, atol=1e-5)
-    assert torch.equal(layer(x[:, :3]), torch.nn.functional.linear(x[:, :3], layer.weight, layer.bias))
+    assert torch.equal(layer(x[:, :1]), torch.nn.functional.linear(x[:, :1], layer.weight, layer.bias))
     layer.pack_for(None)
-    assert layer.packed == {}
+    assert layer.fast is None

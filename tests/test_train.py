@@ -3,6 +3,7 @@
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -62,12 +63,29 @@ def test_anchors_stay_in_bounds(lengths, count, data):
 
 def test_blocks_labels_positions_and_ignore():
     ids = torch.arange(10, 20).view(1, -1)  # tokens 10..19 at positions 0..9
-    labels = torch.arange(100, 110).view(1, -1)  # label[t] predicts position t + 1
+    labels = torch.arange(11, 21).view(1, -1)  # label[t] predicts position t + 1 and agrees with the text
     blocks = build_blocks(ids, labels, [8], torch.tensor([[2, 6]]), torch.tensor([[True, True]]), 4, mask_token_id=7)
     assert blocks.input_ids.tolist() == [[12, 7, 7, 7, 16, 7, 7, 7]]
     assert blocks.positions.tolist() == [[2, 3, 4, 5, 6, 7, 8, 9]]
     # slot k predicts position a + k: labels[a + k - 1]; positions past the sequence (length 8) are ignored
-    assert blocks.labels.tolist() == [[[102, 103, 104], [106, IGNORE, IGNORE]]]
+    assert blocks.labels.tolist() == [[[13, 14, 15], [17, IGNORE, IGNORE]]]
+
+
+@pytest.mark.parametrize("block_size", [2, 3, 4, 6])
+def test_labels_stop_where_the_text_leaves_the_greedy_path(block_size):
+    """Teacher-forced text: slot k keeps its label only while x[a+j] == y[a+j-1] for all j < k."""
+    gen = torch.Generator().manual_seed(block_size)
+    ids = torch.randint(0, 3, (2, 24), generator=gen)
+    labels = torch.randint(0, 3, (2, 24), generator=gen)
+    anchors = torch.tensor([[1, 5, 9, 20], [2, 3, 11, 19]])
+    blocks = build_blocks(ids, labels, [24, 22], anchors, torch.ones(2, 4, dtype=torch.bool), block_size, 9)
+    for row, length in enumerate([24, 22]):
+        for j, a in enumerate(anchors[row].tolist()):
+            want = []
+            for k in range(1, block_size):
+                on_path = all(ids[row, a + i] == labels[row, a + i - 1] for i in range(1, k))
+                want.append(int(labels[row, a + k - 1]) if a + k <= length - 1 and on_path else IGNORE)
+            assert blocks.labels[row, j].tolist() == want
 
 
 def test_cosine_schedule_warms_up_then_decays():
@@ -177,10 +195,41 @@ def test_init_from_a_draft_folder_continues_its_weights(tiny):
         assert torch.allclose(tensor, b[name], atol=1e-6), name
     # another block size is a fine-tune of the same weights (a draft trained at B=16 may be tuned for B=4)
     assert train(_cfg(tiny, tiny / "warm-c", steps=1, block_size=8, init=str(first), train_dtype="float32"))["step"] == 1
-    with pytest.raises(BlockspecError, match="num_hidden_layers=1, but this run trains num_hidden_layers=2"):
-        train(_cfg(tiny, tiny / "warm-e", steps=1, num_draft_layers=2, init=str(first)))
+    # a deeper draft grows from it: the new layer starts as an identity residual block (same outputs)
+    grown = tiny / "warm-e"
+    train(_cfg(tiny, grown, steps=1, lr=1e-9, num_draft_layers=2, init=str(first), train_dtype="float32"))
+    cfg = ModelConfig.from_folder(tiny / "target")
+    small, deep = (load_draft(d, cfg, torch.float32, CPU) for d in (first, grown))
+    assert deep.config.num_hidden_layers == 2
+    cache_a, cache_b = small.new_cache(1, 32), deep.new_cache(1, 32)
+    feats, block = torch.randn(1, 7, 2 * cfg.hidden_size), torch.randn(1, 4, cfg.hidden_size)
+    with torch.no_grad():
+        small.inject(feats, Batch([0], [0]), cache_a)
+        deep.inject(feats, Batch([0], [0]), cache_b)
+        assert torch.allclose(small(block, Batch([0], [7]), cache_a), deep(block, Batch([0], [7]), cache_b), atol=1e-4)
+    with pytest.raises(BlockspecError, match="num_hidden_layers=2, but this run trains num_hidden_layers=1"):
+        train(_cfg(tiny, tiny / "warm-f", steps=1, num_draft_layers=1, init=str(grown)))
     with pytest.raises(BlockspecError, match="--init"):
         _cfg(tiny, tiny / "warm-d", init=str(tiny / "nowhere"))
+
+
+def test_sources_are_cached_apart_and_share_the_token_cap(tiny):
+    """Each source has its own feature store: adding a source re-extracts only that one; --tokens is
+    split between the sources (a finite one first, the rest getting what it leaves)."""
+    cache = tiny / "mix-cache"
+    other = tiny / "other.jsonl"
+    other.write_text("".join(json.dumps({"token_ids": list(range(10, 60)) * 3}) + "\n" for _ in range(40)))
+    first = train(_cfg(tiny, tiny / "mix-a", steps=1, cache_dir=cache))
+    a_tokens = first["extract_train"]["tokens"]
+    both = train(_cfg(tiny, tiny / "mix-b", steps=1, cache_dir=cache, data=f"{tiny / 'data.jsonl'},{other}"))
+    assert both["extract_train"]["tokens"] == 40 * 128  # only the new source (64-token windows, short tails dropped)
+    capped = train(_cfg(tiny, tiny / "mix-c", steps=1, cache_dir=cache, data=f"{tiny / 'data.jsonl'},{other}",
+                        tokens=1000))
+    model_card = (tiny / "mix-c" / "MODEL_CARD.md").read_text()
+    assert a_tokens > 1000 and "extract_train" not in capped
+    assert re.search(r"(\d+) training sequences, (\d+) tokens", model_card)
+    got = int(re.search(r"training sequences, (\d+) tokens", model_card).group(1))
+    assert 1000 <= got < 1000 + 2 * 80  # each source stops at the sequence that reaches its share
 
 
 def test_bf16_autocast_with_a_train_vocab_runs_and_learns(tiny):
@@ -305,7 +354,7 @@ def test_train_vocab_restricts_the_softmax_and_skips_rare_labels():
     b, count, block = 2, 3, 4
     hidden = torch.randn(b, count * block, 8)
     labels = torch.randint(0, 10, (b, count, block - 1))
-    blocks = Blocks(input_ids=None, positions=None, labels=labels, mask=None, valid=None)
+    blocks = Blocks(input_ids=None, positions=None, labels=labels, mask=None, valid=None, complete=None)
     w = loss_weights(block)
     a, _ = dflash_loss(hidden, head, blocks, w)
     c, _ = dflash_loss(hidden, head, blocks, w, full)

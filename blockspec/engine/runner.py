@@ -49,7 +49,7 @@ class ModelRunner:
 
     def set_block_size(self, block_size: int) -> None:
         self.block_size = block_size
-        if self.draft is None or not torch.backends.mkl.is_available():
+        if self.draft is None:
             return
         for model in (self.target, self.draft):
             for module in model.modules():

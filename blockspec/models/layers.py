@@ -40,26 +40,34 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
 
     def pack_for(self, rows: int | None) -> None:
-        """Keep an MKL-packed copy of the fp32 weight for inputs of exactly `rows` rows (None: drop it).
-        A packed GEMM skips re-packing the weight on every call: measured 1.3x (4 rows) to 1.6x (8 rows)
-        faster than the plain GEMM at SmolLM2's shapes on CPU, i.e. nearly the cost of one decode row;
-        DFlash's verify and draft passes always have B rows at batch 1. Costs a second copy of the weight,
-        taken now: pack after the weights are final (the runner does)."""
-        self.packed = {}
-        if rows is not None and rows > 1 and self.weight.dtype == torch.float32 and self.weight.device.type == "cpu":
-            self.packed[rows] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach().contiguous(), rows)
+        """Keep a second copy of the fp32 weight laid out for inputs of exactly `rows` rows (None: drop it);
+        DFlash's verify and draft passes always have B rows at batch 1. Measured at SmolLM2's shapes on a
+        2-core CPU: for 2 rows a row-major copy (MKL's NT GEMM, which streams the weight like a GEMV) is the
+        fastest; for more rows an MKL-packed copy (no re-packing per call: 1.3x faster than the plain GEMM
+        at 4 rows, 1.6x at 8). Costs a copy of the weight, taken now: pack after the weights are final."""
+        self.fast = None
+        if rows is None or rows < 2 or self.weight.dtype != torch.float32 or self.weight.device.type != "cpu":
+            return
+        row_major = self.weight.detach().contiguous()
+        if rows == 2:
+            self.fast = (rows, row_major, None)
+        elif torch.backends.mkl.is_available():
+            self.fast = (rows, self.weight, torch.ops.mkl._mkl_reorder_linear_weight(row_major, rows))
 
     def shard_slice(self, index: int) -> slice:
         start = sum(self.shards[:index])
         return slice(start, start + self.shards[index])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.__dict__.get("packed")
-        if packed:
-            rows = x.numel() // x.shape[-1]
-            if rows in packed:
-                flat = torch.ops.mkl._mkl_linear(x.reshape(rows, -1), packed[rows], self.weight, self.bias, rows)
-                return flat.view(*x.shape[:-1], self.out_features)
+        fast = self.__dict__.get("fast")
+        if fast is not None and x.numel() == fast[0] * x.shape[-1]:
+            rows, weight, packed = fast
+            flat = x.reshape(rows, -1)
+            if packed is None:
+                out = F.linear(flat, weight, self.bias)
+            else:
+                out = torch.ops.mkl._mkl_linear(flat, packed, weight, self.bias, rows)
+            return out.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -186,25 +186,14 @@ def _responses(rows: list[dict]) -> Iterator[TrainSequence]:
             yield TrainSequence(ids, len(row["prompt_ids"]), True)
 
 
-def iter_sequences(
-    spec: DataSpec, tokenizer, seq_len: int, seed: int, heldout: bool, responses: dict[str, list[dict]],
+def source_sequences(
+    source: str, tokenizer, seq_len: int, seed: int, heldout: bool, responses: dict[str, list[dict]],
 ) -> Iterator[TrainSequence]:
-    """All sequences of the spec's sources for one split, interleaved round-robin in a fixed order.
-    `responses` maps each "responses:N" source to its generated rows (see `ensure_responses`)."""
-    streams: list[Iterator[TrainSequence]] = []
-    for source in spec.sources:
-        if source == "stdlib":
-            streams.append(_text_files(stdlib_files(heldout), tokenizer, seq_len, seed))
-        elif source == "pydoc":
-            streams.append(_text_files(pydoc_files(heldout), tokenizer, seq_len, seed))
-        elif source.startswith("responses:"):
-            streams.append(_responses(responses[source]))
-        else:
-            streams.append(_jsonl(Path(source), heldout, tokenizer, seq_len))
-    while streams:
-        for stream in list(streams):
-            item = next(stream, None)
-            if item is None:
-                streams.remove(stream)
-            else:
-                yield item
+    """The sequences of one source (a DataSpec entry) for one split, in a fixed order. `responses` maps
+    each "responses:N" source to its generated rows (see `ensure_responses`)."""
+    if source in ("stdlib", "pydoc"):
+        files = stdlib_files(heldout) if source == "stdlib" else pydoc_files(heldout)
+        return _text_files(files, tokenizer, seq_len, seed)
+    if source.startswith("responses:"):
+        return _responses(responses[source])
+    return _jsonl(Path(source), heldout, tokenizer, seq_len)

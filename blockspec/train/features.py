@@ -4,7 +4,8 @@ One forward of the frozen target over a sequence yields both the draft's conditi
 states after the `target_layer_ids` layers, concatenated; float16 on disk) and the labels (the
 target's argmax next token at every position). A store is a folder of append-only shards
 (`shard_NNNNN.{ids,labels,features,offsets,starts}.npy`, memory-mapped when read) plus meta.json,
-keyed by target identity + layer ids + data spec + sequence length + extraction dtype, so a larger
+keyed by target identity + layer ids + data source + sequence length + extraction dtype (one store
+per source, so a new mix of sources reuses the ones already extracted), so a larger
 `--tokens` or an interrupted extraction continues where the last one stopped.
 """
 
@@ -53,10 +54,10 @@ def target_features(
     """One batched causal forward (right padding never affects earlier positions) ->
     per sequence (features float16 [T, K*H], labels int32 [T]).
 
-    Labels are the target's argmax at every position. On teacher-forced text this approximates the
-    greedy continuation the draft must predict at inference (the argmax after the real prefix, not
-    after the target's own greedy prefix); on on-policy responses (the target's own greedy output)
-    the labels are the response's next tokens, which is exact."""
+    Labels are the target's argmax at every position. On teacher-forced text that is the greedy
+    continuation only while the text follows the target's own choices (the objective ignores block
+    slots past the first disagreement); on on-policy responses (the target's own greedy output) the
+    labels are the response's next tokens, which is exact."""
     device = target.embed_tokens.weight.device
     longest = max(len(s.ids) for s in seqs)
     ids = torch.zeros(len(seqs), longest, dtype=torch.long)
@@ -116,6 +117,7 @@ class FeatureStore:
         self._lengths.extend(np.diff(arrays["offsets"]).tolist())
 
     def _write_meta(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)  # a source with no held-out lines is exhausted empty
         tmp = self.meta_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.meta, indent=1))
         os.replace(tmp, self.meta_path)
@@ -147,6 +149,10 @@ class FeatureStore:
         a = self._shards[shard]
         lo, hi = int(a["offsets"][row]), int(a["offsets"][row + 1])
         return a["ids"][lo:hi], a["labels"][lo:hi], a["features"][lo:hi], int(a["starts"][row])
+
+    def tokens_of(self, count: int) -> int:
+        """Tokens in the first `count` sequences."""
+        return int(sum(self._lengths[:count]))
 
     def prefix(self, max_tokens: int | None, max_sequences: int | None) -> int:
         """How many leading sequences a run capped at max_tokens / max_sequences uses."""
@@ -196,3 +202,19 @@ def extract(
             done_tokens += sum(len(s.ids) for s in chunk)
     seconds = time.perf_counter() - start_time
     return {"tokens": done_tokens, "seconds": seconds, "tokens_per_s": done_tokens / seconds if seconds else 0.0}
+
+
+class StoreSet:
+    """The leading sequences of several stores (one per data source) as one indexable collection."""
+
+    def __init__(self, parts: list[tuple[FeatureStore, int]]) -> None:
+        self.parts = parts
+        self._index = [(p, row) for p, (_, count) in enumerate(parts) for row in range(count)]
+        self.num_tokens = sum(store.tokens_of(count) for store, count in parts)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def get(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        part, row = self._index[index]
+        return self.parts[part][0].get(row)

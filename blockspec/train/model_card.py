@@ -11,7 +11,8 @@ from blockspec.train.objective import default_gamma
 
 SOURCE_TEXT = {
     "stdlib": "CPython standard-library source (.py, test directories and held-out modules excluded), "
-              "teacher-forced: labels are the target's argmax next token",
+              "teacher-forced: labels are the target's argmax next token, kept in a block only while the text "
+              "follows the target's greedy choices",
     "pydoc": "Python 3.11 documentation sources (Debian python3.11-doc .rst.txt), teacher-forced",
 }
 
@@ -75,8 +76,9 @@ def write_model_card(path: Path, cfg: TrainConfig, draft: DraftConfig, target: P
               f"Estimated tau (mean accepted tokens per verify step, greedy, including the bonus token): "
               f"**{_fmt(last.get('heldout_tau', float('nan')))}** at step {last.get('step', '-')} over "
               f"{last.get('heldout_blocks', 0)} sampled blocks. It counts the leading block slots where the "
-              f"draft's argmax equals the label; on teacher-forced text the label is the target's argmax after the "
-              f"real prefix, so this estimates rather than measures tau. `blockspec bench` measures the real thing.",
+              f"draft's argmax equals the label: exact greedy acceptance on the held-out on-policy responses (used "
+              f"whenever the data has responses); on teacher-forced text only a lower bound (a run stops where the "
+              f"text leaves the target's greedy path). `blockspec bench` measures the real thing.",
               "", "| step | train loss | acc@1 | held-out tau |", "|---|---|---|---|"]
     lines += [f"| {r['step']} | {_fmt(r['loss'])} | {_fmt(r['acc1'])} | {_fmt(r['heldout_tau'])} |" for r in evals]
     path.write_text("\n".join(lines) + "\n")

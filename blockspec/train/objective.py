@@ -8,6 +8,12 @@ greedy next token after position t), an anchor a starts the block
 The block sees the context features at positions < a (at inference the anchor, i.e. the bonus
 token, is not yet in the context) and its own B slots bidirectionally; never another block. Many
 blocks of one sequence are trained in one pass. Label positions past the sequence end are ignored.
+
+Slot k's label is the greedy continuation only while the real tokens after the anchor follow the
+target's own argmax: y[a+k-1] is what the target says after x[..a+k-1], which is its greedy path
+only if x[a+j] == y[a+j-1] for j < k. Past the first disagreement (teacher-forced text; never inside
+an on-policy response) the slots are ignored, so every label is what greedy verification would
+compare the draft's proposal with.
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ class Blocks:
     labels: torch.Tensor  # [b, count, B-1] target tokens for slots 1..B-1, IGNORE where absent
     mask: torch.Tensor  # bool [b, n, T + n] over keys [context (T); blocks (n)]
     valid: torch.Tensor  # bool [b, count] real (non-padding) blocks
+    complete: torch.Tensor  # bool [b, count] real blocks whose B-1 label positions are all inside the sequence
 
 
 def training_mask(anchors: torch.Tensor, block_size: int, ctx_len: int) -> torch.Tensor:
@@ -99,7 +106,15 @@ def build_blocks(
     input_ids[:, :, 0] = ids.gather(1, anchors)
     label_pos = positions[:, :, 1:]  # slot k predicts the token at position a+k, i.e. labels[a+k-1]
     length = torch.tensor(lengths, device=ids.device).view(-1, 1, 1)
-    present = (label_pos <= length - 1) & valid.unsqueeze(-1)
+    inside = (label_pos <= length - 1) & valid.unsqueeze(-1)
+    # agree[t]: the real token at t+1 is the target's greedy choice after t; slot k needs agree[a..a+k-2]
+    agree = torch.zeros_like(ids, dtype=torch.bool)
+    agree[:, :-1] = ids[:, 1:] == labels[:, :-1]
+    agree_pos = (positions[:, :, 1:-1] - 1).clamp(max=ids.shape[1] - 1)  # a .. a+B-3
+    follows = agree.gather(1, agree_pos.reshape(b, count * (block_size - 2))).view(b, count, block_size - 2)
+    on_path = torch.ones_like(inside)
+    on_path[:, :, 1:] = follows.cumprod(dim=-1).bool()
+    present = inside & on_path
     gathered = labels.gather(1, (label_pos - 1).clamp(max=labels.shape[1] - 1).view(b, -1)).view_as(label_pos)
     block_labels = torch.where(present, gathered, torch.full_like(gathered, IGNORE))
     return Blocks(
@@ -108,6 +123,7 @@ def build_blocks(
         labels=block_labels,
         mask=training_mask(anchors, block_size, ids.shape[1]),
         valid=valid,
+        complete=inside.all(-1),
     )
 
 
@@ -167,9 +183,11 @@ def greedy_accept_lengths(
     hidden: torch.Tensor, lm_head: torch.nn.Module, blocks: Blocks
 ) -> torch.Tensor:
     """Accepted length per complete block under greedy verification against the labels:
-    1 (the anchor / bonus) + the number of leading slots where draft argmax == label.
-    Blocks whose labels run past the sequence end are skipped. Returns float [num_complete]."""
-    complete = (blocks.labels != IGNORE).all(-1) & blocks.valid  # [b, count]
+    1 (the anchor / bonus) + the number of leading slots where draft argmax == label. Blocks that run
+    past the sequence end are skipped; a run that reaches a slot whose label is unknown (the text left
+    the target's greedy path there) stops, so on teacher-forced text this is a lower bound.
+    Returns float [num_complete]."""
+    complete = blocks.complete
     if not complete.any():
         return torch.zeros(0)
     block_size = blocks.labels.shape[-1] + 1

@@ -28,7 +28,7 @@ from blockspec.models.tokenizer import Tokenizer
 from blockspec.spec.draft_config import has_fast_bf16, resolve_device
 from blockspec.train import data as D
 from blockspec.train.config import SAVE_DTYPES, TrainConfig, init_draft, make_draft_config
-from blockspec.train.features import FeatureStore, cache_key, extract, target_identity
+from blockspec.train.features import FeatureStore, StoreSet, cache_key, extract, target_identity
 from blockspec.train.model_card import write_model_card
 from blockspec.train.objective import (TrainVocab, build_blocks, cosine_with_warmup, dflash_loss,
                                        greedy_accept_lengths, loss_weights, sample_anchors)
@@ -56,6 +56,10 @@ class Trainer:
 
     # ---- data -------------------------------------------------------------------------------
     def prepare_data(self) -> None:
+        """One feature store per (source, split), so a new mix of sources reuses every source already
+        extracted. --tokens is shared out evenly, finite sources (responses, jsonl) first and what they
+        leave over going to the rest. The held-out tau uses the on-policy responses when the data has
+        them (exact greedy labels), else every source's held-out split."""
         cfg = self.cfg
         tdtype = resolve_dtype(cfg.dtype, self.device)
         root = cfg.cache_dir or blockspec_home() / "train-cache"
@@ -64,24 +68,36 @@ class Trainer:
                      for source in self.spec.sources if source.startswith("responses:")}
         self.target = load_target(self.target_path, tdtype, self.device)
         capture = self.draft_cfg.target_layer_ids
+        corpus = ("stdlib", "pydoc")
+        order = sorted(self.spec.sources, key=lambda source: source in corpus)
+        eval_sources = [s for s in order if s in responses] or order
         self.stores = {}
-        for split, heldout in (("train", False), ("eval", True)):
-            fields = dict(target=ident, layer_ids=list(capture), data=list(self.spec.sources), seq_len=cfg.seq_len,
-                          seed=cfg.seed, dtype=str(tdtype), split=split, response_tokens=cfg.response_tokens)
-            store = FeatureStore(root / "features" / cache_key(**fields), fields)
-            split_rows = {k: v[heldout] for k, v in responses.items()}
-            seqs = D.iter_sequences(self.spec, self.tokenizer, cfg.seq_len, cfg.seed, heldout, split_rows)
-            limit = (cfg.tokens, None) if split == "train" else (None, cfg.eval_seqs)
-            got = extract(store, seqs, self.target, capture, *limit, cfg.extract_batch_size,
-                          desc=f"target features ({split})")
-            if got["tokens"]:
-                self.stats[f"extract_{split}"] = got
-            self.stores[split] = store
-        self.num_train = self.stores["train"].prefix(cfg.tokens, None)
-        self.num_eval = self.stores["eval"].prefix(None, cfg.eval_seqs)
+        for split, heldout, sources in (("train", False, order), ("eval", True, eval_sources)):
+            parts, budget = [], cfg.tokens if split == "train" else cfg.eval_seqs
+            for i, source in enumerate(sources):
+                share = None if budget is None else max(1, budget // (len(sources) - i))
+                fields = dict(target=ident, layer_ids=list(capture), data=[source], seq_len=cfg.seq_len,
+                              seed=cfg.seed, dtype=str(tdtype), split=split, response_tokens=cfg.response_tokens)
+                store = FeatureStore(root / "features" / cache_key(**fields), fields)
+                seqs = D.source_sequences(source, self.tokenizer, cfg.seq_len, cfg.seed, heldout,
+                                          {k: v[heldout] for k, v in responses.items()})
+                limit = (share, None) if split == "train" else (None, share)
+                got = extract(store, seqs, self.target, capture, *limit, cfg.extract_batch_size,
+                              desc=f"target features ({source}, {split})")
+                if got["tokens"]:
+                    done = self.stats.setdefault(f"extract_{split}", {"tokens": 0, "seconds": 0.0})
+                    done["tokens"] += got["tokens"]
+                    done["seconds"] += got["seconds"]
+                    done["tokens_per_s"] = done["tokens"] / max(done["seconds"], 1e-9)
+                count = store.prefix(*limit)
+                parts.append((store, count))
+                if budget is not None:
+                    budget -= store.tokens_of(count) if split == "train" else count
+            self.stores[split] = StoreSet(parts)
+        self.num_train, self.num_eval = len(self.stores["train"]), len(self.stores["eval"])
         if self.num_train == 0:
             raise BlockspecError(f"train-draft: --data {cfg.data!r} yielded no training sequences.")
-        self.train_tokens = sum(len(self.stores["train"].get(i)[0]) for i in range(self.num_train))
+        self.train_tokens = self.stores["train"].num_tokens
 
     def responses(self, source: str, root: Path, ident: dict, tdtype: str) -> dict[bool, list[dict]]:
         """On-policy responses for a "responses:N" source: N for training (held-out False) and
@@ -261,17 +277,29 @@ class Trainer:
         return vocab
 
     def start_weights(self, folder: Path) -> dict[str, torch.Tensor]:
-        """--init FOLDER: the weights of an existing draft whose shape matches the one being trained. The
-        block size may differ: the weights do not depend on it (a draft trained at 16 can be tuned for 4)."""
+        """--init FOLDER: the weights of an existing draft of the same shape. The block size may differ (the
+        weights do not depend on it: a draft trained at 16 can be tuned for 4), and the draft may grow:
+        extra layers are copies of its last layer with o_proj and down_proj zeroed, i.e. identity residual
+        blocks, so the deeper draft starts out computing exactly what the old one did."""
         token_to_id = self.tokenizer.token_to_id if self.tokenizer else None
         old = load_draft(folder, self.target_cfg, torch.float32, torch.device("cpu"), token_to_id)
         mine, theirs = self.draft_cfg, old.config
         for name in ("target_layer_ids", "mask_token_id", "num_hidden_layers", "has_embed_tokens"):
+            if name == "num_hidden_layers" and mine.num_hidden_layers > theirs.num_hidden_layers:
+                continue
             if getattr(mine, name) != getattr(theirs, name):
                 raise BlockspecError(f"train-draft: --init {folder} has {name}={getattr(theirs, name)}, but this run "
                                      f"trains {name}={getattr(mine, name)}. Match the flags to that draft "
-                                     f"(see its MODEL_CARD.md), or start from --init target.")
-        return old.state_dict()
+                                     f"(see its MODEL_CARD.md; it may be grown to more layers, not fewer), or "
+                                     f"start from --init target.")
+        weights = old.state_dict()
+        last = f"layers.{theirs.num_hidden_layers - 1}."
+        for layer in range(theirs.num_hidden_layers, mine.num_hidden_layers):
+            for key, value in list(weights.items()):
+                if key.startswith(last):
+                    zero = key.endswith(("o_proj.weight", "down_proj.weight", "o_proj.bias", "down_proj.bias"))
+                    weights[f"layers.{layer}." + key[len(last):]] = torch.zeros_like(value) if zero else value.clone()
+        return weights
 
     def last(self, key: str) -> float:
         return next((r[key] for r in reversed(self.history) if key in r), float("nan"))
