@@ -81,9 +81,9 @@ class RMSNorm(nn.Module):
         weight = self.weight  # None once folded into the next projection (CausalLM.fold_norm_weights)
         if x.dtype != torch.float32:  # F.rms_norm accumulates low-precision inputs in fp32
             return F.rms_norm(x, (x.shape[-1],), None if weight is None else weight.to(x.dtype), self.eps)
-        # F.rms_norm's math in fewer kernels (equal up to fp32 rounding): on the decode path (one row, 61 norms per token) its internal
-        # casts and reductions cost ~0.5 ms per token more on CPU, and a 1x1 addmm (eps + x.x/H in one
-        # kernel) ~1 ms less than a reduction chain.
+        # F.rms_norm's math in fewer kernels (equal up to fp32 rounding). On the decode path (one row, 61
+        # norms per token) its internal casts and reductions cost ~0.5 ms per token more on CPU, and a 1x1
+        # addmm (eps + x.x/H in one kernel) ~1 ms less than a reduction chain.
         if x.numel() == x.shape[-1]:
             flat = x.reshape(1, -1)
             mean_square = torch.addmm(self._eps_like(x), flat, flat.t(), alpha=1.0 / flat.shape[1])
