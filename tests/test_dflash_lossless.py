@@ -19,6 +19,7 @@ from blockspec.sampling_params import SamplingParams
 from tests.tiny import write_tiny_draft, write_tiny_target
 
 BLOCK_SIZES = (2, 4, 8, 16)
+DRAFT_VOCAB = torch.cat([torch.arange(0, 12), torch.arange(12, 97, 3)])  # the tiny target has 97 ids
 CPU = torch.device("cpu")
 
 
@@ -52,12 +53,14 @@ prompt_st = st.lists(st.integers(0, 96), min_size=1, max_size=60)
     max_tokens=st.integers(1, 60),
     stops=st.lists(st.integers(0, 96), max_size=3),
     int8_head=st.booleans(),
+    draft_vocab=st.booleans(),
 )
-def test_greedy_dflash_equals_plain(models, prompts, size, max_tokens, stops, int8_head):
+def test_greedy_dflash_equals_plain(models, prompts, size, max_tokens, stops, int8_head, draft_vocab):
     runner = models[size]
     runner.set_block_size(size)  # the runners share one target: pack its weights for this block size
     # both LM-head paths on any CPU: plain fp32, and the int8 one used where bf16 matmuls are fast
     runner.argmax_head = Int8ArgmaxHead(runner.target.lm_head.weight) if int8_head else None
+    runner.draft.vocab = DRAFT_VOCAB if draft_vocab else None  # proposals from a subset of the tokens
     params = SamplingParams(max_tokens=max_tokens)
     plain = generate(runner, prompts, params, stops, use_draft=False)
     spec = generate(runner, prompts, params, stops, use_draft=True)
@@ -66,6 +69,25 @@ def test_greedy_dflash_equals_plain(models, prompts, size, max_tokens, stops, in
         assert s.finish_reason == p.finish_reason
         assert all(1 <= a <= size for a in s.accept_lengths)
     assert runner.pool.num_free == runner.pool.num_slots  # every slot came back
+    runner.draft.vocab = None
+
+
+@pytest.mark.parametrize("int8_head", [False, True])
+def test_draft_vocab_bounds_the_proposals(models, int8_head):
+    runner = models[4]
+    runner.set_block_size(4)
+    runner.argmax_head = Int8ArgmaxHead(runner.target.lm_head.weight) if int8_head else None
+    proposed, draft_tokens = [], runner.draft_tokens
+    runner.draft_tokens = lambda *a: proposed.append(draft_tokens(*a)) or proposed[-1]
+    runner.draft.vocab = DRAFT_VOCAB
+    try:
+        plain = generate(runner, [[1, 2, 3]], SamplingParams(max_tokens=40), [], use_draft=False)[0]
+        spec = generate(runner, [[1, 2, 3]], SamplingParams(max_tokens=40), [], use_draft=True)[0]
+    finally:
+        runner.draft.vocab = None
+        del runner.draft_tokens
+    assert spec.output_ids == plain.output_ids
+    assert torch.isin(torch.cat(proposed).flatten(), DRAFT_VOCAB).all()
 
 
 @pytest.mark.parametrize("size", BLOCK_SIZES)

@@ -119,3 +119,20 @@ def test_fc_width_mismatch_names_the_layer_count(target_dir, tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(DraftConfigError, match="fc.weight"):
         load_draft(folder, cfg, torch.float32, CPU)
+
+
+def test_draft_vocab_round_trips_and_bad_ones_are_refused(target_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    cfg = ModelConfig.from_folder(target_dir)
+    draft = load_draft(write_tiny_draft(tmp_path / "a", cfg), cfg, torch.float32, CPU)
+    assert draft.vocab is None
+    draft.vocab = torch.tensor([0, 5, 9, 40, 96])
+    save_draft(draft, tmp_path / "b")
+    assert torch.equal(load_draft(tmp_path / "b", cfg, torch.float32, CPU).vocab, draft.vocab)
+    tensors = load_file(str(tmp_path / "b" / "model.safetensors"))
+    for bad, message in [(torch.tensor([3, 97]), "id 97 is outside \\[0, 97\\)"), (torch.tensor([4, 4]), "repeats"),
+                         (torch.tensor([1.0, 2.0]), "integer token ids"), (torch.zeros(2, 2, dtype=torch.long), "1-D")]:
+        save_file({**tensors, "draft_vocab": bad}, str(tmp_path / "b" / "model.safetensors"))
+        with pytest.raises(DraftConfigError, match=message):
+            load_draft(tmp_path / "b", cfg, torch.float32, CPU)

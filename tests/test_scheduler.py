@@ -96,6 +96,24 @@ def test_batched_equals_alone(runner, use_draft):
 
 
 @pytest.mark.parametrize("use_draft", [True, False])
+def test_running_slots_stay_compact(runner, use_draft, monkeypatch):
+    """When a request leaves, the ones above it move down (KV copied once), so every decode batch is a
+    contiguous slot range in order and reads its K/V as a view; outputs are unchanged."""
+    want = alone(runner, use_draft)
+    batches, moves = [], []
+    step_name = "dflash_step" if use_draft else "decode_step"
+    step = getattr(runner, step_name)
+    monkeypatch.setattr(runner, step_name, lambda seqs: (batches.append([s.slot for s in seqs]), step(seqs)))
+    move = runner.target_cache.move
+    monkeypatch.setattr(runner.target_cache, "move", lambda *a: (moves.append(a), move(*a)))
+    got = fresh()
+    drive(Scheduler(runner, use_draft), got)
+    assert_same(got, want)
+    assert moves and len(batches) > 10
+    assert all(slots == list(range(slots[0], slots[0] + len(slots))) for slots in batches)
+
+
+@pytest.mark.parametrize("use_draft", [True, False])
 def test_tiny_budget_preempts_and_stays_lossless(runner, use_draft):
     want = alone(runner, use_draft)
     biggest = max(len(p) + sp.max_tokens - 1 for p, sp, _ in REQUESTS) + 4

@@ -73,12 +73,13 @@ def test_dflash_with_random_draft_is_lossless(llm, spec_llm, block_size):
 
 
 def test_committed_trained_draft_is_lossless_and_accepts(llm):
-    """drafts/smollm2-run4 (the CPU-trained draft, not the default) loads against the real target,
-    keeps greedy output identical, and accepts more than the bonus token on average."""
+    """drafts/smollm2-run5 (the CPU-trained draft, not the default) loads against the real target with its
+    draft vocabulary, keeps greedy output identical, and accepts more than the bonus token on average."""
     from pathlib import Path
 
-    folder = Path(__file__).resolve().parent.parent / "drafts" / "smollm2-run4"
+    folder = Path(__file__).resolve().parent.parent / "drafts" / "smollm2-run5"
     spec = LLM(draft_model_path=str(folder), block_size=4, max_num_seqs=1, max_model_len=1024)
+    assert spec.runner.draft.vocab.numel() == 16384
     params = SamplingParams(max_tokens=48)
     plain = llm.chat(PROMPT, params)[0]
     out = spec.chat(PROMPT, params)[0]

@@ -230,6 +230,8 @@ def test_sources_are_cached_apart_and_share_the_token_cap(tiny):
     assert re.search(r"(\d+) training sequences, (\d+) tokens", model_card)
     got = int(re.search(r"training sequences, (\d+) tokens", model_card).group(1))
     assert 1000 <= got < 1000 + 2 * 80  # each source stops at the sequence that reaches its share
+    used = [int(t) for t in re.findall(r"\((\d+) sequences, \d+ tokens used\)", model_card)]
+    assert len(used) == 2 and sum(capped["sources"][s]["tokens"] for s in capped["sources"]) == got
 
 
 def test_bf16_autocast_with_a_train_vocab_runs_and_learns(tiny):
@@ -240,6 +242,9 @@ def test_bf16_autocast_with_a_train_vocab_runs_and_learns(tiny):
     assert all(math.isfinite(x) for x in losses) and sum(losses[-5:]) < sum(losses[:5])
     assert all(t.dtype == torch.float32 for t in state["draft"].values())  # fp32 master weights
     assert summary["step"] == 30
+    target_cfg = ModelConfig.from_folder(tiny / "target")
+    draft = load_draft(tiny / "bf16", target_cfg, torch.float32, CPU)  # proposes from the 48 trained tokens
+    assert draft.vocab.numel() == 48 and bool((draft.vocab[1:] > draft.vocab[:-1]).all())
 
 
 def test_cli_trains_and_reports_errors(tiny, capsys):
@@ -307,6 +312,22 @@ def test_on_policy_responses_are_generated_cached_and_trained_on(tmp_path):
     again = train(_cfg(tmp_path, tmp_path / "draft2", target=str(target), data="responses:3", mask_token_id=None,
                        seq_len=1024, response_tokens=12, gen_batch_size=3, steps=2, eval_every=2))
     assert "extract_train" not in again  # responses and features come from the cache
+
+
+def test_more_responses_extend_the_cache_without_repeating_a_prompt(tmp_path):
+    from blockspec.train.data import ensure_responses
+
+    target = write_tiny_target(tmp_path / "target", vocab_size=101, max_position_embeddings=1024)
+    write_char_tokenizer(target)
+    cache = tmp_path / "responses.jsonl"
+
+    def rows(count: int) -> list[dict]:
+        return ensure_responses(cache, target, count, False, 1024, 4, 0, "cpu", "float32", 4)
+
+    first = rows(20)
+    more = rows(40)  # a larger count draws a different prompt list (here one of the 20 answered again)
+    assert more[:20] == first and len(cache.read_text().splitlines()) == 40
+    assert len({tuple(r["prompt_ids"]) for r in more}) == 40
 
 
 def test_stdlib_source_excludes_tests_and_heldout_modules():

@@ -10,6 +10,7 @@ Writes happen under torch.inference_mode() / no_grad (the per-layer views go sta
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,12 @@ class KVCache:
                 self.v[:, slot, :, start:length].zero_()
                 self._clean_upto[slot] = length
 
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` rows of slot `src` (every layer) into slot `dst`."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        self._clean_upto[dst] = max(self._clean_upto[dst], length)
+
     def write(self, layer: int, batch: "Batch", k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [b, n, kv_heads, d] for positions batch.starts[i] .. + n."""
         n = k.shape[1]
@@ -69,6 +76,9 @@ class KVCache:
         if batch.size == 1:
             slot = batch.slots[0]
             return k[slot : slot + 1, :, :length], v[slot : slot + 1, :, :length]
+        lo = batch.slots[0]
+        if batch.slots == list(range(lo, lo + batch.size)):  # a view: no copy of every row's K/V per layer
+            return k[lo : lo + batch.size, :, :length], v[lo : lo + batch.size, :, :length]
         index = batch.slot_tensor(self.k.device)
         return k[index, :, :length], v[index, :, :length]
 
@@ -103,11 +113,13 @@ class Batch:
 
 
 class SlotPool:
-    """Hands out slot indices; the memory budget is num_slots x max_len tokens per cache."""
+    """Hands out slot indices, lowest free first: the running slots then stay a contiguous range most
+    of the time, and `KVCache.read` of a slot-ordered batch is a view. The memory budget is
+    num_slots x max_len tokens per cache."""
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free = list(range(num_slots))  # a heap
 
     @property
     def num_free(self) -> int:
@@ -119,9 +131,9 @@ class SlotPool:
                 f"All {self.num_slots} KV cache slots are in use. Send fewer prompts at once or raise "
                 f"max_num_seqs (--max-running-requests)."
             )
-        return self._free.pop()
+        return heapq.heappop(self._free)
 
     def free(self, slot: int) -> None:
         if slot in self._free or not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} freed twice or out of range")
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)

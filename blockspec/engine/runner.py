@@ -8,6 +8,7 @@ own cache lengths, and the scratch rows past a row's commit point are overwritte
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from blockspec.engine.kv_cache import Batch, SlotPool
 from blockspec.engine.sampler import next_token
@@ -45,6 +46,7 @@ class ModelRunner:
         fast = self.device.type == "cpu" and head.dtype == torch.float32 and has_fast_bf16(self.device)
         fast = fast and Int8ArgmaxHead.supports(head)
         self.argmax_head = Int8ArgmaxHead(head) if fast else None
+        self._draft_head: tuple | None = None  # (argmax_head, draft vocab) it was built for, and its rows
         self.set_block_size(block_size)
 
     def set_block_size(self, block_size: int) -> None:
@@ -63,6 +65,20 @@ class ModelRunner:
         if seq.slot >= 0:
             self.pool.free(seq.slot)
             seq.slot = -1
+
+    @torch.inference_mode()
+    def compact(self, seqs: list[Sequence]) -> None:
+        """Move sequences holding a slot >= len(seqs) into the free slots below, so the running slots are
+        0..len(seqs)-1 and a slot-ordered batch reads its K/V as a view, not a gather of every row per
+        layer per step. Costs one copy of a moved sequence's K/V, once, when a sequence below it leaves."""
+        for seq in seqs:
+            if seq.slot >= len(seqs):
+                slot = self.pool.allocate()  # the lowest free slot, below len(seqs)
+                for cache in (self.target_cache, self.draft_cache):
+                    if cache is not None:
+                        cache.move(seq.slot, slot, seq.num_cached)
+                self.pool.free(seq.slot)
+                seq.slot = slot
 
     def target_outputs(self, seqs: list[Sequence], hidden: torch.Tensor) -> list[torch.Tensor]:
         """Per row of hidden [b, ..., H] (last layer, before the final norm): the target's greedy
@@ -101,13 +117,25 @@ class ModelRunner:
             seq.accept_lengths.append(1)
         self.emit_next(seqs, hidden[:, -1])
 
+    def draft_scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Scores [M, V] of the target's LM head for draft hidden states [M, H] (the int8 copy where there is
+        one), over the draft's vocabulary only if it has one (the rows of the head it was trained to use)."""
+        head, vocab = self.argmax_head, self.draft.vocab
+        built = self._draft_head
+        if built is None or built[0] is not head or built[1] is not vocab:  # built once per head and vocab
+            weight = self.target.lm_head.weight
+            rows = (head if vocab is None else head.rows(vocab)) if head is not None else (
+                weight if vocab is None else weight[vocab])
+            self._draft_head = (head, vocab, rows)
+        rows = self._draft_head[2]
+        return rows.scores(hidden) if head is not None else F.linear(hidden, rows)
+
     def draft_tokens(self, seqs: list[Sequence], block: torch.Tensor, batch: Batch) -> torch.Tensor:
         """The draft's proposals [b, B-1] for blocks [bonus, MASK...]: argmax of the target's LM head."""
         embed = self.draft.embed_tokens if self.draft.embed_tokens is not None else self.target.embed_tokens
         hidden = self.draft(embed(block), batch, self.draft_cache)[:, 1:]
-        if self.argmax_head is not None:
-            return self.argmax_head.scores(hidden.reshape(-1, hidden.shape[-1])).argmax(dim=-1).view(hidden.shape[:2])
-        return self.target.lm_head(hidden).argmax(dim=-1)
+        best = self.draft_scores(hidden.reshape(-1, hidden.shape[-1])).argmax(dim=-1).view(hidden.shape[:2])
+        return best if self.draft.vocab is None else self.draft.vocab[best]
 
     @torch.inference_mode()
     def dflash_step(self, seqs: list[Sequence]) -> None:

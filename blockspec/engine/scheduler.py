@@ -20,7 +20,10 @@ Policy (one step = `Scheduler.step`):
    requests being prefilled (oldest first); rows of similar chunk length share one padded forward.
    A long prompt thus takes several steps while the others keep decoding. (Padding rows are scratch
    inside the slab, like a rejected draft tail, and are not counted against the budget.)
-5. Decode: one batched draft forward and one batched target verify (or one plain decode forward)
+5. Compact: requests that finished at prefill leave, and running requests above a freed slot move
+   down into it (`ModelRunner.compact`, one copy of their K/V), so the decode batch, in slot order,
+   is a contiguous slot range whose K/V every layer reads as a view instead of a gather.
+6. Decode: one batched draft forward and one batched target verify (or one plain decode forward)
    for every request past prefill, including those whose prefill ended this step; each row accepts
    its own number of tokens, stops on its own stop tokens and max_tokens.
 
@@ -119,7 +122,10 @@ class Scheduler:
         self._make_room()
         self._admit()
         prefilled = self._prefill()
+        self._retire()  # requests done at prefill (max_tokens=1, a stop token) leave before the compaction
+        self.runner.compact(self.running)
         decoding = [s for s in self.running if s.seq_id not in self._prefill_ids and not s.finished]
+        decoding.sort(key=lambda s: s.slot)  # a contiguous slot range in order: the KV reads are views
         if decoding:
             (self.runner.dflash_step if self.use_draft else self.runner.decode_step)(decoding)
         seen = {s.seq_id for s in prefilled}

@@ -42,6 +42,13 @@ class Int8ArgmaxHead:
         accumulation = 2 * hidden * 2.0**-24 * 127.5
         self.bound_scale = (0.76 + accumulation) * self.scale.float()  # times |h|_1 per row
 
+    def rows(self, ids: torch.Tensor) -> "Int8ArgmaxHead":
+        """A head over the token ids `ids` only, for `scores` (a draft vocabulary); its `argmax` is unusable."""
+        sub = object.__new__(Int8ArgmaxHead)
+        sub.weight = None
+        sub.qweight, sub.scale, sub.bound_scale = self.qweight[ids], self.scale[ids], self.bound_scale[ids]
+        return sub
+
     def scores(self, h: torch.Tensor) -> torch.Tensor:
         """Approximate logits [M, V] (bf16) for h [M, H]: good enough to rank draft proposals."""
         return torch.ops.aten._weight_int8pack_mm(h.to(torch.bfloat16), self.qweight, self.scale)

@@ -3,7 +3,8 @@
 Target features (hidden states tapped from several target layers) are projected by `fc` and
 `hidden_norm` and injected as extra K/V into every draft layer's cache, for committed tokens only
 (`inject`). The block `[bonus, MASK x (B-1)]` then attends to that context plus itself in both
-directions (`forward`). The draft has no LM head; the target's scores its output.
+directions (`forward`). The draft has no LM head; the target's scores its output (over the draft's
+vocabulary, if it has one).
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(vocab_size, cfg.hidden_size) if cfg.has_embed_tokens else None
+        # Optional draft vocabulary (checkpoint tensor `draft_vocab`): the sorted token ids the draft may
+        # propose; the proposals are ranked over these rows of the LM head only (see ModelRunner).
+        self.register_buffer("vocab", None, persistent=False)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         cfg, w = self.config, self.fc.weight

@@ -20,7 +20,7 @@ from blockspec.errors import ModelLoadError
 from blockspec.models.draft import DFlashDraft
 from blockspec.models.layers import Linear
 from blockspec.models.target import CausalLM
-from blockspec.spec.draft_config import check_draft_tensors, resolve_draft_config
+from blockspec.spec.draft_config import DRAFT_VOCAB, check_draft_tensors, check_draft_vocab, resolve_draft_config
 
 # checkpoint projection name -> (our fused module name, shard index)
 PACKED = {
@@ -137,10 +137,11 @@ def load_target(folder: str | Path, dtype: torch.dtype, device: torch.device) ->
     return model.to(device).eval()
 
 
-def save_module(model: nn.Module, folder: Path, config: dict, dtype: torch.dtype | None = None) -> None:
-    """Write config.json + model.safetensors with checkpoint (un-fused) tensor names."""
+def save_module(model: nn.Module, folder: Path, config: dict, dtype: torch.dtype | None = None,
+                extra: dict[str, torch.Tensor] | None = None) -> None:
+    """Write config.json + model.safetensors with checkpoint (un-fused) tensor names (+ `extra` as is)."""
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {}
+    tensors = {name: t.detach().contiguous().cpu() for name, t in (extra or {}).items()}
     for name, (param, rows) in expected_tensors(model, "").items():
         tensor = (param[rows] if rows is not None else param).detach()
         tensors[name] = (tensor.to(dtype) if dtype is not None else tensor).contiguous().cpu()
@@ -174,9 +175,13 @@ def load_draft(
     draft = draft.to_empty(device="cpu").to(dtype)
     draft.rotary.reset()
     load_into(draft, folder, expected_tensors(draft, ""))
+    if DRAFT_VOCAB in index:
+        with safe_open(str(index[DRAFT_VOCAB][0]), framework="pt") as f:
+            draft.vocab = check_draft_vocab(f.get_tensor(DRAFT_VOCAB), target.vocab_size, str(folder))
     return draft.to(device).eval()
 
 
 def save_draft(draft: DFlashDraft, folder: str | Path, dtype: torch.dtype | None = None) -> None:
     """Write a draft in the z-lab checkpoint format (loads in z-lab's reference and SGLang too)."""
-    save_module(draft, Path(folder), draft.config.to_json_dict(), dtype)
+    extra = {DRAFT_VOCAB: draft.vocab} if draft.vocab is not None else None
+    save_module(draft, Path(folder), draft.config.to_json_dict(), dtype, extra)

@@ -23,6 +23,7 @@ _log = logging.getLogger(__name__)
 
 ARCHITECTURE = "DFlashDraftModel"
 DEFAULT_BLOCK_SIZE = 16
+DRAFT_VOCAB = "draft_vocab"  # optional int tensor [Vd] (a blockspec extension of the z-lab format)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3")
 # Features of other DFlash variants (DFlash2, Domino, MiMo) that blockspec does not implement.
@@ -326,6 +327,21 @@ def resolve_draft_config(raw: dict, *, target: ModelConfig, source: str = "confi
         mask_token_id=mask_id, has_embed_tokens=has_embed, vocab_size=vocab)
 
 
+def check_draft_vocab(ids: torch.Tensor, vocab_size: int, source: str) -> torch.Tensor:
+    """The optional `draft_vocab` tensor's values: distinct token ids < vocab_size, returned sorted (int64)."""
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise DraftConfigError(f"DFLASH {source}: {DRAFT_VOCAB} has dtype {ids.dtype}; it must hold integer token "
+                               f"ids. Re-export the draft, or drop the tensor.")
+    ids = ids.long().sort().values
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.numel() or (ids[1:] == ids[:-1]).any():
+        what = f"id {int(bad[0])} is outside [0, {vocab_size})" if bad.numel() else "it repeats an id"
+        raise DraftConfigError(f"DFLASH {source}: {DRAFT_VOCAB} must list distinct token ids of the target's "
+                               f"vocabulary (vocab_size={vocab_size}), but {what}. The draft was trained for "
+                               f"another tokenizer; use a draft trained on this target's vocabulary.")
+    return ids
+
+
 def draft_tensor_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a z-lab draft checkpoint must hold, with its shape (-1: any size)."""
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
@@ -387,7 +403,12 @@ def check_draft_tensors(cfg: DraftConfig, shapes: dict[str, Any], source: str, *
         raise DraftConfigError(
             f"DFLASH {source}: mask_token_id={cfg.mask_token_id} is outside {_vocab_note(True, rows)}; ids must "
             f"be < {rows}. Pass --mask-token-id with the id the draft was trained with.")
-    extra = sorted(set(got) - set(want))
+    vocab = got.get(DRAFT_VOCAB)
+    if vocab is not None and (len(vocab) != 1 or vocab[0] < 1):
+        raise DraftConfigError(
+            f"DFLASH {source}: {DRAFT_VOCAB} has shape {list(vocab)}; it must be a non-empty list of token ids "
+            f"(1-D). Re-export the draft, or drop the tensor to let the draft propose any token.")
+    extra = sorted(set(got) - set(want) - {DRAFT_VOCAB})
     if extra:
         note = (" embed_tokens.weight is ignored: the config does not set has_embed_tokens, so the target's "
                 "embedding is used." if "embed_tokens.weight" in extra else "")

@@ -154,22 +154,25 @@ def ensure_responses(
     llm = LLM(model_path=str(target_path), speculative_algorithm="NONE", device=device, dtype=dtype,
               max_num_seqs=batch_size, max_model_len=seq_len)
     budget = seq_len - response_tokens
-    prompts = []
+    answered = {tuple(row["prompt_ids"]) for row in done}  # a larger count draws a different prompt list
+    prompts: list[list[int]] = []
     for text in response_prompts(count * 2, heldout, seed, stdlib_files(heldout), pydoc_files(heldout)):
         # some get dropped for length
         ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
-        if len(ids) <= budget:
+        if len(ids) <= budget and tuple(ids) not in answered:
             prompts.append(ids)
-    if len(prompts) < count:
-        raise BlockspecError(f"Only {len(prompts)} of {count} response prompts fit --seq-len {seq_len} with "
-                             f"--response-tokens {response_tokens}; raise --seq-len or lower --response-tokens.")
+    need = count - len(done)
+    if len(prompts) < need:
+        raise BlockspecError(f"Only {len(done) + len(prompts)} of {count} response prompts fit --seq-len {seq_len} "
+                             f"with --response-tokens {response_tokens}; raise --seq-len or lower --response-tokens.")
     params = SamplingParams(max_tokens=response_tokens, temperature=0.0)
     cache.parent.mkdir(parents=True, exist_ok=True)
     split = "held-out" if heldout else "train"
+    chunk_size = batch_size * 4
     with tqdm(total=count, initial=len(done), desc=f"on-policy responses ({split})", unit="resp") as bar, \
             cache.open("a") as f:
-        for i in range(len(done), count, batch_size * 4):
-            chunk = prompts[i : min(count, i + batch_size * 4)]
+        for i in range(0, need, chunk_size):
+            chunk = prompts[i : min(need, i + chunk_size)]
             for out in llm.generate(chunk, params, speculative_algorithm="NONE"):
                 row = {"prompt_ids": out.prompt_token_ids, "output_ids": out.token_ids}
                 f.write(json.dumps(row) + "\n")

@@ -25,6 +25,11 @@ def _source(source: str) -> str:
     return SOURCE_TEXT.get(source, f"{source} (JSONL, teacher-forced)")
 
 
+def _used(stats: dict, source: str) -> str:
+    used = stats.get("sources", {}).get(source)
+    return f" ({used['sequences']} sequences, {used['tokens']} tokens used)" if used else ""
+
+
 def _fmt(value) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
@@ -51,7 +56,7 @@ def write_model_card(path: Path, cfg: TrainConfig, draft: DraftConfig, target: P
         "",
         "## Training", "",
         "```", cfg.command or "(called from Python)", "```", "",
-        *[f"- data: {_source(s)}" for s in spec.sources],
+        *[f"- data: {_source(s)}{_used(stats, s)}" for s in spec.sources],
         f"- {stats.get('train_sequences')} training sequences, {stats.get('train_tokens')} tokens "
         f"(sequence length <= {cfg.seq_len}); held-out: {stats.get('eval_sequences')} sequences from the "
         f"{', '.join(HELDOUT_MODULES)} modules / docs and held-out prompt topics (never trained on). "
@@ -65,8 +70,9 @@ def write_model_card(path: Path, cfg: TrainConfig, draft: DraftConfig, target: P
     if "train_vocab" in stats:
         v = stats["train_vocab"]
         lines.append(f"- training softmax over the {v['size']} most frequent label tokens "
-                     f"({100 * v['label_coverage']:.2f}% of the labels; the rest skipped); inference and the "
-                     f"held-out tau use the full LM head")
+                     f"({100 * v['label_coverage']:.2f}% of the labels; the rest skipped), saved as the draft's "
+                     f"vocabulary (`draft_vocab`): inference ranks proposals over those tokens only; the "
+                     f"held-out tau uses the full LM head")
     for key, label in (("extract_train", "feature extraction"), ("train", "training")):
         if key in stats:
             s = stats[key]

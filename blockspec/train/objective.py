@@ -139,13 +139,14 @@ class TrainVocab:
     """The `size` most frequent label tokens. The training softmax over the full vocabulary is most of
     a CPU step (SmolLM2: 49k logits per predicted slot, ~2/3 of the step); restricted to the tokens the
     target actually emits (SmolLM2: the top 16k covered 100% of its response labels) a step took 2.2x
-    less time, like EAGLE-3's draft vocabulary. Labels outside are skipped. Inference and the held-out
-    tau keep the full head."""
+    less time, like EAGLE-3's draft vocabulary. Labels outside are skipped. The exported draft carries
+    the ids, and inference ranks its proposals over them only (the held-out tau keeps the full head)."""
 
     def __init__(self, head_weight: torch.Tensor, counts: torch.Tensor, size: int) -> None:
         ids = counts.topk(min(size, counts.numel())).indices.sort().values
         self.coverage = (counts[ids].sum() / counts.sum().clamp(min=1)).item()
         ids, device = ids.to(head_weight.device), head_weight.device
+        self.ids = ids  # sorted; exported as the draft's vocabulary (checkpoint tensor draft_vocab)
         self.weight = head_weight.detach()[ids].clone()  # [size, H]
         self.remap = torch.full((counts.numel(),), IGNORE, dtype=torch.long, device=device)
         self.remap[ids] = torch.arange(ids.numel(), device=device)

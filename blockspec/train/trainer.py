@@ -91,6 +91,9 @@ class Trainer:
                     done["tokens_per_s"] = done["tokens"] / max(done["seconds"], 1e-9)
                 count = store.prefix(*limit)
                 parts.append((store, count))
+                if split == "train":  # --tokens may use only part of a source: the model card says how much
+                    used = {"sequences": count, "tokens": store.tokens_of(count)}
+                    self.stats.setdefault("sources", {})[source] = used
                 if budget is not None:
                     budget -= store.tokens_of(count) if split == "train" else count
             self.stores[split] = StoreSet(parts)
@@ -193,6 +196,7 @@ class Trainer:
         return state["step"]
 
     def export(self, step: int) -> None:
+        self.draft.vocab = self.vocab.ids.cpu() if self.vocab is not None else None
         save_draft(self.draft, self.cfg.output, SAVE_DTYPES[self.cfg.save_dtype])
         write_model_card(self.cfg.output / "MODEL_CARD.md", self.cfg, self.draft_cfg, self.target_path, self.spec,
                          {**self.stats, "step": step, "total_steps": self.total_steps, "train_sequences":
