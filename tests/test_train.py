@@ -22,7 +22,7 @@ from blockspec.train import data as D
 from blockspec.train.data import DataSpec, TrainSequence
 from blockspec.train.features import target_features, target_identity
 from blockspec.train.objective import (IGNORE, Blocks, TrainVocab, build_blocks, cosine_with_warmup, dflash_loss,
-                                       loss_weights, sample_anchors, training_mask)
+                                       greedy_accept_lengths, loss_weights, sample_anchors, training_mask)
 from blockspec.train.prompts import TOPICS, response_prompts
 from blockspec.train.trainer import train
 from tests.tiny import tiny_draft_raw, write_tiny_target
@@ -380,6 +380,13 @@ def test_train_vocab_restricts_the_softmax_and_skips_rare_labels():
     a, _ = dflash_loss(hidden, head, blocks, w)
     c, _ = dflash_loss(hidden, head, blocks, w, full)
     assert torch.allclose(a, c, atol=1e-6)
+    # the held-out tau ranks over the vocabulary, mapping back to token ids: same as the full head here,
+    # and with a smaller vocabulary every proposal is one of its tokens
+    blocks.complete = torch.ones(b, count, dtype=torch.bool)
+    assert torch.equal(greedy_accept_lengths(hidden, head, blocks), greedy_accept_lengths(hidden, head, blocks, full))
+    predicted_rows = hidden.view(b, count, block, 8)[:, :, 1:]
+    blocks.labels = vocab.ids[vocab(predicted_rows).argmax(-1)]  # labels = the vocabulary's argmax tokens
+    assert greedy_accept_lengths(hidden, head, blocks, vocab).tolist() == [float(block)] * (b * count)
 
 
 def test_target_identity_follows_content_not_mtime(tmp_path) -> None:

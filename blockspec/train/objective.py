@@ -140,7 +140,7 @@ class TrainVocab:
     a CPU step (SmolLM2: 49k logits per predicted slot, ~2/3 of the step); restricted to the tokens the
     target actually emits (SmolLM2: the top 16k covered 100% of its response labels) a step took 2.2x
     less time, like EAGLE-3's draft vocabulary. Labels outside are skipped. The exported draft carries
-    the ids, and inference ranks its proposals over them only (the held-out tau keeps the full head)."""
+    the ids, and inference and the held-out tau rank its proposals over them only."""
 
     def __init__(self, head_weight: torch.Tensor, counts: torch.Tensor, size: int) -> None:
         ids = counts.topk(min(size, counts.numel())).indices.sort().values
@@ -181,10 +181,11 @@ def dflash_loss(
 
 
 def greedy_accept_lengths(
-    hidden: torch.Tensor, lm_head: torch.nn.Module, blocks: Blocks
+    hidden: torch.Tensor, lm_head: torch.nn.Module, blocks: Blocks, vocab: TrainVocab | None = None,
 ) -> torch.Tensor:
     """Accepted length per complete block under greedy verification against the labels:
-    1 (the anchor / bonus) + the number of leading slots where draft argmax == label. Blocks that run
+    1 (the anchor / bonus) + the number of leading slots where draft argmax == label (the argmax over
+    `vocab` when given, as the engine ranks the proposals of a draft that carries its vocabulary). Blocks that run
     past the sequence end are skipped; a run that reaches a slot whose label is unknown (the text left
     the target's greedy path there) stops, so on teacher-forced text this is a lower bound.
     Returns float [num_complete]."""
@@ -193,7 +194,8 @@ def greedy_accept_lengths(
         return torch.zeros(0)
     block_size = blocks.labels.shape[-1] + 1
     rows = complete.unsqueeze(-1).expand_as(blocks.labels)
-    predicted = block_logits(hidden, lm_head, block_size, rows).argmax(-1).view(-1, block_size - 1)
+    predicted = block_logits(hidden, lm_head if vocab is None else vocab, block_size, rows).argmax(-1)
+    predicted = (predicted if vocab is None else vocab.ids[predicted]).view(-1, block_size - 1)
     hits = (predicted == blocks.labels[complete]).long()
     return 1.0 + hits.cumprod(dim=-1).sum(-1).float()
 

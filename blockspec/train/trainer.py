@@ -163,7 +163,7 @@ class Trainer:
             indices = list(range(i, min(self.num_eval, i + self.cfg.batch_size)))
             with self.amp():
                 hidden, blocks, _ = self.forward("eval", indices, self.cfg.eval_anchors, gen)
-                accepted.append(greedy_accept_lengths(hidden, self.target.lm_head, blocks).cpu())
+                accepted.append(greedy_accept_lengths(hidden, self.target.lm_head, blocks, self.vocab).cpu())
         lengths = torch.cat(accepted) if accepted else torch.zeros(0)
         return {"tau": lengths.mean().item() if lengths.numel() else float("nan"), "blocks": lengths.numel()}
 
