@@ -76,8 +76,8 @@ class KVCache:
         if batch.size == 1:
             slot = batch.slots[0]
             return k[slot : slot + 1, :, :length], v[slot : slot + 1, :, :length]
-        lo = batch.slots[0]
-        if batch.slots == list(range(lo, lo + batch.size)):  # a view: no copy of every row's K/V per layer
+        if batch.contiguous:  # a view: no copy of every row's K/V per layer
+            lo = batch.slots[0]
             return k[lo : lo + batch.size, :, :length], v[lo : lo + batch.size, :, :length]
         index = batch.slot_tensor(self.k.device)
         return k[index, :, :length], v[index, :, :length]
@@ -92,6 +92,9 @@ class Batch:
 
     def __post_init__(self) -> None:
         self._slot_tensor: torch.Tensor | None = None
+        # slots lo, lo+1, ... in order: `KVCache.read` returns views (see ModelRunner.compact)
+        first = self.slots[0] if self.slots else 0
+        self.contiguous = bool(self.slots) and self.slots == list(range(first, first + len(self.slots)))
 
     @property
     def size(self) -> int:
