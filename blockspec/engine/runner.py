@@ -123,12 +123,11 @@ class ModelRunner:
         head, vocab = self.argmax_head, self.draft.vocab
         built = self._draft_head
         if built is None or built[0] is not head or built[1] is not vocab:  # built once per head and vocab
-            weight = self.target.lm_head.weight
-            rows = (head if vocab is None else head.rows(vocab)) if head is not None else (
-                weight if vocab is None else weight[vocab])
-            self._draft_head = (head, vocab, rows)
-        rows = self._draft_head[2]
-        return rows.scores(hidden) if head is not None else F.linear(hidden, rows)
+            rows = self.target.lm_head.weight if head is None else head
+            if vocab is not None:
+                rows = rows[vocab] if head is None else head.rows(vocab)
+            self._draft_head = built = (head, vocab, rows)
+        return F.linear(hidden, built[2]) if head is None else built[2].scores(hidden)
 
     def draft_tokens(self, seqs: list[Sequence], block: torch.Tensor, batch: Batch) -> torch.Tensor:
         """The draft's proposals [b, B-1] for blocks [bonus, MASK...]: argmax of the target's LM head."""

@@ -34,7 +34,8 @@ def register(sub) -> None:
     a("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask token or a spare special token")
     a("--mask-token", default=None)
     a("--data", default="stdlib", help="comma list: stdlib, pydoc, responses:N, PATH.jsonl")
-    a("--tokens", type=int, default=None, help="cap on training-data tokens, shared evenly by the sources (responses and .jsonl first; what they leave goes to stdlib/pydoc)")
+    a("--tokens", type=int, default=None, help="cap on training-data tokens, shared evenly by the sources "
+      "(responses and .jsonl first; what they leave goes to stdlib/pydoc)")
     a("--steps", type=int, default=None, help="optimizer steps (default: --epochs over the data)")
     a("--epochs", type=float, default=1.0)
     a("--lr", type=float, default=6e-4)

@@ -71,7 +71,8 @@ def write_model_card(path: Path, cfg: TrainConfig, draft: DraftConfig, target: P
         v = stats["train_vocab"]
         lines.append(f"- training softmax over the {v['size']} most frequent label tokens "
                      f"({100 * v['label_coverage']:.2f}% of the labels; the rest skipped), saved as the draft's "
-                     f"vocabulary (`draft_vocab`): inference and the held-out tau rank proposals over those tokens only")
+                     f"vocabulary (`draft_vocab`): inference and the held-out tau rank proposals over those "
+                     f"tokens only")
     for key, label in (("extract_train", "feature extraction"), ("train", "training")):
         if key in stats:
             s = stats[key]
