@@ -24,6 +24,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default="auto")
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=True,
+                   help="take a plain decode step instead of a DFlash step when the measured step costs and "
+                        "acceptance say it is faster (output is identical either way; default: on)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's choice)")
 
@@ -45,7 +48,8 @@ def build_llm(args: argparse.Namespace, **extra):
         model_path=args.model_path, draft_model_path=args.draft_model_path,
         speculative_algorithm=args.speculative_algorithm, block_size=args.block_size,
         mask_token_id=args.mask_token_id, mask_token=args.mask_token, device=args.device,
-        dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len, **extra,
+        dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
+        adaptive_speculation=args.adaptive_speculation, **extra,
     )
 
 
@@ -82,6 +86,7 @@ def run_generate(args: argparse.Namespace) -> None:
         "block_size": out.block_size,
         "accept_lengths": out.accept_lengths,
         "mean_accept_length": round(out.mean_accept_length, 4),
+        "plain_steps": out.plain_steps,
         "time_to_first_token_s": round(out.time_to_first_token_s, 4),
         "decode_tokens_per_s": round(out.decode_tokens_per_s, 3),
     }
@@ -90,9 +95,10 @@ def run_generate(args: argparse.Namespace) -> None:
         return
     print(out.text)
     note = "" if out.speculative_algorithm == "DFLASH" else " (plain decoding: no DFlash draft in use)"
+    plain = f" over {len(out.accept_lengths)} DFlash steps + {out.plain_steps} plain steps" if out.plain_steps else ""
     print(
         f"\n[{out.speculative_algorithm}{note}] {len(out.token_ids)} tokens, "
-        f"tau={out.mean_accept_length:.2f}, {out.decode_tokens_per_s:.1f} tok/s decode, "
+        f"tau={out.mean_accept_length:.2f}{plain}, {out.decode_tokens_per_s:.1f} tok/s decode, "
         f"TTFT {out.time_to_first_token_s:.2f}s",
         file=sys.stderr,
     )

@@ -17,6 +17,7 @@ from blockspec.models.loader import load_draft, load_target
 from blockspec.models.tokenizer import Tokenizer
 from blockspec.sampling_params import SamplingParams
 from blockspec.spec.draft_config import resolve_device
+from blockspec.spec.governor import SpecGovernor
 
 log = logging.getLogger("blockspec")
 
@@ -36,6 +37,7 @@ class RequestOutput:
     block_size: int
     time_to_first_token_s: float
     decode_time_s: float
+    plain_steps: int = 0  # plain decode steps a DFlash request took instead of speculating (adaptive)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -77,12 +79,15 @@ class LLM:
         seed: int | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int = 8,
+        adaptive_speculation: bool = True,
     ) -> None:
         algorithm = (speculative_algorithm or "").upper() or None
         if algorithm is not None and algorithm not in ALGORITHMS:
             raise BlockspecError(
                 f"speculative_algorithm={speculative_algorithm!r} is not supported; use one of {ALGORITHMS}."
             )
+        if not isinstance(adaptive_speculation, bool):
+            raise BlockspecError(f"adaptive_speculation={adaptive_speculation!r} must be True or False.")
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise BlockspecError(f"max_num_seqs={max_num_seqs!r} must be an integer >= 1.")
         self.device = resolve_device(device)
@@ -124,7 +129,7 @@ class LLM:
                 model.rotary.ensure(slab_len)
         self.runner = ModelRunner(
             self.target, self.draft, self.block_size, self.draft.config.mask_token_id if self.draft else 0,
-            num_slots=max_num_seqs, max_len=slab_len,
+            num_slots=max_num_seqs, max_len=slab_len, governor=SpecGovernor() if adaptive_speculation else None,
         )
         self.stop_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
 
@@ -202,4 +207,5 @@ class LLM:
             block_size=self.block_size if algorithm == "DFLASH" else 1,
             time_to_first_token_s=seq.first_token_time - seq.arrival_time,
             decode_time_s=seq.finish_time - seq.first_token_time,
+            plain_steps=seq.plain_steps,
         )

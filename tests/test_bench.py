@@ -49,11 +49,14 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     return {"root": root, "target": target, "draft": draft, "data": data}
 
 
-def bench(tiny: dict[str, Path], *extra: str, draft: bool = True, name: str = "out") -> tuple[int, dict | None]:
+def bench(tiny: dict[str, Path], *extra: str, draft: bool = True, name: str = "out",
+          adaptive: bool = False) -> tuple[int, dict | None]:
+    """Runs `blockspec bench`; adaptive speculation off unless asked (its choices depend on timing)."""
     out = tiny["root"] / f"{name}.json"
     out.unlink(missing_ok=True)
     argv = ["bench", "--dataset", str(tiny["data"]), "--max-new-tokens", "10", "--model-path", str(tiny["target"]),
             "--device", "cpu", "--dtype", "float32", "--json", str(out), "--no-progress", *extra]
+    argv += [] if adaptive else ["--no-adaptive-speculation"]
     if draft:
         argv += ["--draft-model-path", str(tiny["draft"])]
     try:
@@ -132,9 +135,19 @@ def test_report_fields_and_plot(tiny, capsys) -> None:
     assert all(1 <= a <= 4 for a in row["accept_lengths"])
     assert {"cpu", "threads", "torch", "device"} <= report["machine"].keys()
     assert report["command"] and report["date"] and "decode-only" in report["timing"]
+    assert report["adaptive_speculation"] is False and report["num_plain_steps"] == 0
     assert plot.is_file() and plot.stat().st_size > 1000
     table = capsys.readouterr().out
     assert "ar (baseline)" in table and "dflash B=4" in table and "outputs_match 1.000" in table
+
+
+def test_adaptive_speculation_reports_its_plain_steps(tiny) -> None:
+    code, report = bench(tiny, "--max-new-tokens", "40", adaptive=True, name="adaptive")
+    assert code == 0 and report["adaptive_speculation"] is True and report["outputs_match"] == 1.0
+    assert report["num_verify_steps"] >= 1  # the first step measures DFlash
+    steps = report["num_verify_steps"] + report["num_plain_steps"]
+    assert report["speculative_step_fraction"] == pytest.approx(report["num_verify_steps"] / steps, abs=1e-4)
+    assert sum(r["plain_steps"] for r in report["per_prompt"]) == report["num_plain_steps"]
 
 
 def test_corrupted_dflash_output_is_caught(tiny, monkeypatch, capsys) -> None:

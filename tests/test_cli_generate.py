@@ -11,9 +11,10 @@ from blockspec.config import ModelConfig
 from blockspec.errors import BlockspecError, RequestError
 from tests.tiny import write_tiny_draft, write_tiny_target, write_tiny_tokenizer
 
-FIELDS = {
+FIELDS = {  # INTERFACE.md's, plus plain_steps (adaptive speculation)
     "text", "token_ids", "num_prompt_tokens", "num_output_tokens", "finish_reason", "speculative_algorithm",
     "block_size", "accept_lengths", "mean_accept_length", "time_to_first_token_s", "decode_tokens_per_s",
+    "plain_steps",
 }
 
 

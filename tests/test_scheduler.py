@@ -101,9 +101,8 @@ def test_running_slots_stay_compact(runner, use_draft, monkeypatch):
     contiguous slot range in order and reads its K/V as a view; outputs are unchanged."""
     want = alone(runner, use_draft)
     batches, moves = [], []
-    step_name = "dflash_step" if use_draft else "decode_step"
-    step = getattr(runner, step_name)
-    monkeypatch.setattr(runner, step_name, lambda seqs: (batches.append([s.slot for s in seqs]), step(seqs)))
+    step = runner.decode
+    monkeypatch.setattr(runner, "decode", lambda seqs, draft: (batches.append([s.slot for s in seqs]), step(seqs, draft)))
     move = runner.target_cache.move
     monkeypatch.setattr(runner.target_cache, "move", lambda *a: (moves.append(a), move(*a)))
     got = fresh()

@@ -1,5 +1,5 @@
 """Integration on the real embedded SmolLM2-135M-Instruct: numerics and greedy output vs transformers,
-and DFlash losslessness with a random draft."""
+and DFlash losslessness with a random draft and with the shipped default draft."""
 
 import pytest
 import torch
@@ -57,7 +57,8 @@ def spec_llm(smollm2_dir, tmp_path_factory):
     cfg = ModelConfig.from_folder(smollm2_dir)
     dflash = {"mask_token_id": 1, "target_layer_ids": [1, 14, 27]}
     write_tiny_draft(folder, cfg, block_size=16, dflash_config=dflash)
-    return LLM(draft_model_path=str(folder), max_num_seqs=2, max_model_len=1024)
+    # every step a DFlash step (adaptive speculation would mostly decode plainly with a random draft)
+    return LLM(draft_model_path=str(folder), max_num_seqs=2, max_model_len=1024, adaptive_speculation=False)
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
@@ -72,16 +73,18 @@ def test_dflash_with_random_draft_is_lossless(llm, spec_llm, block_size):
         assert f.speculative_algorithm == "DFLASH" and all(1 <= a <= block_size for a in f.accept_lengths)
 
 
-def test_committed_trained_draft_is_lossless_and_accepts(llm):
-    """drafts/smollm2-run5 (the CPU-trained draft, not the default) loads against the real target with its
-    draft vocabulary, keeps greedy output identical, and accepts more than the bonus token on average."""
-    from pathlib import Path
+def test_default_llm_runs_the_shipped_draft_losslessly(llm):
+    """LLM() loads the shipped default draft (blockspec/drafts/smollm2-135m-dflash, with its draft vocabulary)
+    against the real target; greedy output equals plain decoding with adaptive speculation (the default) and
+    with every step speculating, and the draft accepts more than the bonus token on average."""
+    from blockspec.llm import DEFAULT_DRAFT
 
-    folder = Path(__file__).resolve().parent.parent / "drafts" / "smollm2-run5"
-    spec = LLM(draft_model_path=str(folder), block_size=4, max_num_seqs=1, max_model_len=1024)
-    assert spec.runner.draft.vocab.numel() == 16384
     params = SamplingParams(max_tokens=48)
     plain = llm.chat(PROMPT, params)[0]
-    out = spec.chat(PROMPT, params)[0]
-    assert out.token_ids == plain.token_ids
-    assert sum(out.accept_lengths) / len(out.accept_lengths) > 1.1
+    for adaptive in (True, False):
+        spec = LLM(max_num_seqs=1, max_model_len=1024, adaptive_speculation=adaptive)
+        assert spec.speculative_algorithm == "DFLASH" and spec.runner.draft.vocab.numel() == 16384
+        out = spec.chat(PROMPT, params)[0]
+        assert out.token_ids == plain.token_ids
+    assert (DEFAULT_DRAFT / "MODEL_CARD.md").is_file()
+    assert sum(out.accept_lengths) / len(out.accept_lengths) > 1.1 and out.plain_steps == 0

@@ -312,6 +312,12 @@ def test_on_policy_responses_are_generated_cached_and_trained_on(tmp_path):
     again = train(_cfg(tmp_path, tmp_path / "draft2", target=str(target), data="responses:3", mask_token_id=None,
                        seq_len=1024, response_tokens=12, gen_batch_size=3, steps=2, eval_every=2))
     assert "extract_train" not in again  # responses and features come from the cache
+    more = train(_cfg(tmp_path, tmp_path / "draft3", target=str(target), data="responses:5", mask_token_id=None,
+                      seq_len=1024, response_tokens=12, gen_batch_size=3, steps=2, eval_every=2))
+    rows = [json.loads(line) for f in (tmp_path / "cache" / "responses").glob("*-train.jsonl")
+            for line in f.read_text().splitlines()]
+    new_tokens = sum(len(r["prompt_ids"]) + len(r["output_ids"]) for r in rows[3:])
+    assert len(rows) == 5 and more["extract_train"]["tokens"] == new_tokens  # only the 2 new responses
 
 
 def test_more_responses_extend_the_cache_without_repeating_a_prompt(tmp_path):

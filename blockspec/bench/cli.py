@@ -130,6 +130,7 @@ def run_bench_command(args: argparse.Namespace) -> None:
         "multi_turn": args.multi_turn, "max_new_tokens": args.max_new_tokens, "block_size": llm.block_size,
         "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
         "model_path": str(llm.model_path), "draft_model_path": _draft_path(args, llm),
+        "adaptive_speculation": has_draft and llm.runner.governor is not None,
         "notes": notes, "machine": machine_info(llm.device, llm.dtype),
         "command": command_line(),
         "date": now_utc(),

@@ -7,6 +7,10 @@ Statistics (paired: a prompt turn counts only when every method produced >= 2 to
 - mean_accept_length (tau) = accepted tokens per verify step, bonus included, pooled over all steps;
   mean_accept_length_prompt_avg = the mean of each turn's own tau (z-lab's benchmark averages this way).
 - accept_length_histogram[k-1] = fraction of verify steps that committed k tokens, k = 1..block_size.
+- num_plain_steps / speculative_step_fraction: with adaptive speculation (the default) a DFlash run may
+  take plain steps where speculating does not pay; tau then covers the DFlash steps it chose to take
+  (biased upwards: it speculates where acceptance is high). `--no-adaptive-speculation` measures the
+  draft on every step.
 - outputs_match (greedy only) = fraction of turns whose DFlash tokens equal our plain decoding's.
 """
 
@@ -89,6 +93,8 @@ def accept_stats(samples: list[Sample], dflash: str, block_size: int) -> dict:
         "mean_accept_length_prompt_avg": round(statistics.fmean(per_turn), 4) if per_turn else None,
         "accept_length_histogram": [round(c / len(steps), 5) for c in counts] if steps else [0.0] * block_size,
         "num_verify_steps": len(steps),
+        "num_plain_steps": (plain := sum(s.runs[dflash].plain_steps for s in samples)),
+        "speculative_step_fraction": round(len(steps) / (len(steps) + plain), 4) if steps or plain else None,
     }
 
 
@@ -148,6 +154,7 @@ def _prompt_row(s: Sample, dflash: str | None, baseline: str | None, names: list
         acc = s.runs[dflash].accept_lengths
         row["mean_accept_length"] = round(sum(acc) / len(acc), 4) if acc else None
         row["accept_lengths"] = acc
+        row["plain_steps"] = s.runs[dflash].plain_steps
         base, spec = (s.runs[baseline].tpot_s if baseline else None), s.runs[dflash].tpot_s
         row["speedup"] = round(base / spec, 4) if base and spec else None
         if "ar" in names:
@@ -192,6 +199,9 @@ def print_table(report: dict, out: TextIO | None = None) -> None:
             print(f"{'':<14}vs our plain decoding: {row['speedup_vs_ar']:.2f}x", file=out)
         hist = " ".join(f"{k}:{f:.2f}" for k, f in enumerate(row["accept_length_histogram"], 1) if f > 0)
         print(f"{'':<14}accept-length histogram {hist}", file=out)
+        if row.get("num_plain_steps"):
+            print(f"{'':<14}adaptive speculation: {row['num_verify_steps']} DFlash steps (tau above is theirs), "
+                  f"{row['num_plain_steps']} plain steps", file=out)
         if row.get("outputs_match") is not None:
             flag = "" if row["outputs_match"] == 1.0 else "   <-- LOSSLESSNESS BUG: DFlash output differs from plain decoding"
             print(f"{'':<14}outputs_match {row['outputs_match']:.3f}{flag}", file=out)

@@ -33,6 +33,7 @@ class RunStats:
     time_to_first_token_s: float
     decode_time_s: float
     accept_lengths: list[int] = field(default_factory=list)
+    plain_steps: int = 0  # DFlash runs: plain steps adaptive speculation took instead
 
     @property
     def tpot_s(self) -> float | None:
@@ -71,8 +72,9 @@ class EngineMethod:
         if self.block_size is not None:
             self.llm.set_block_size(self.block_size)
         out = self.llm.generate([prompt_ids], params, speculative_algorithm=self.algorithm)[0]
+        dflash = self.algorithm == "DFLASH"
         return RunStats(list(out.token_ids), out.text, out.time_to_first_token_s, out.decode_time_s,
-                        list(out.accept_lengths) if self.algorithm == "DFLASH" else [])
+                        list(out.accept_lengths) if dflash else [], out.plain_steps if dflash else 0)
 
 
 class _TokenClock:

@@ -56,6 +56,7 @@ def closed_loop(llm, prompts: list[list[int]], params: SamplingParams, concurren
         "method": "DFLASH" if use_draft else "NONE", "concurrency": concurrency, "num_requests": len(seqs),
         "output_tokens": tokens, "wall_s": round(elapsed, 3), "output_tokens_per_s": round(tokens / elapsed, 2),
         "mean_accept_length": round(sum(accepts) / len(accepts), 3) if use_draft and accepts else None,
+        "plain_steps": sum(s.plain_steps for s in seqs),  # adaptive speculation's (row-)steps without a draft
         "mean_ttft_s": round(sum(s.first_token_time - s.arrival_time for s in seqs) / len(seqs), 3),
         "mean_latency_s": round(sum(s.finish_time - s.arrival_time for s in seqs) / len(seqs), 3),
         "steps": steps, "preemptions": scheduler.num_preemptions,

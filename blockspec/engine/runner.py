@@ -7,6 +7,8 @@ own cache lengths, and the scratch rows past a row's commit point are overwritte
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -19,6 +21,7 @@ from blockspec.models.layers import Linear
 from blockspec.models.target import CausalLM
 from blockspec.spec.accept import greedy_accept, sampled_accept
 from blockspec.spec.draft_config import has_fast_bf16
+from blockspec.spec.governor import SpecGovernor
 
 
 class ModelRunner:
@@ -31,8 +34,10 @@ class ModelRunner:
         num_slots: int,
         max_len: int,
         prefill_chunk: int = 512,
+        governor: SpecGovernor | None = None,
     ) -> None:
         self.target, self.draft = target, draft
+        self.governor = governor  # None: every decode step of a DFlash request speculates
         self.mask_token_id = mask_token_id
         self.max_len, self.prefill_chunk = max_len, prefill_chunk
         self.pool = SlotPool(num_slots)
@@ -106,15 +111,33 @@ class ModelRunner:
         for seq, out in zip(seqs, self.target_outputs(seqs, hidden)):
             seq.emit([int(out) if seq.params.greedy else next_token(out, seq.params, seq.generator)])
 
+    def decode(self, seqs: list[Sequence], use_draft: bool) -> None:
+        """One decode step for every sequence: plain, or (use_draft) a DFlash step unless the governor
+        expects a plain step to commit tokens faster."""
+        speculate = use_draft and (self.governor is None or self.governor.speculate(seqs, self.block_size))
+        start = time.perf_counter()
+        if speculate:
+            self.dflash_step(seqs)
+        else:
+            self.decode_step(seqs, feed_draft=use_draft)
+        if use_draft and self.governor is not None:  # both steps end in a host sync (tokens emitted)
+            self.governor.record(seqs, self.block_size, speculate, time.perf_counter() - start)
+
     @torch.inference_mode()
-    def decode_step(self, seqs: list[Sequence]) -> None:
-        """Plain autoregressive step: one token for every sequence."""
+    def decode_step(self, seqs: list[Sequence], feed_draft: bool = False) -> None:
+        """Plain autoregressive step: one token for every sequence. `feed_draft` also gives the draft the
+        new position's context features, so a DFlash request can speculate again at its next step."""
         batch = Batch([s.slot for s in seqs], [s.num_cached for s in seqs])
         ids = torch.tensor([[s.pending_token] for s in seqs], device=self.device)
-        hidden, _ = self.target(ids, batch, self.target_cache)
+        hidden, features = self.target(ids, batch, self.target_cache, self.capture if feed_draft else ())
+        if feed_draft:
+            self.draft.inject(features, batch, self.draft_cache)
         for seq in seqs:
             seq.num_cached += 1
-            seq.accept_lengths.append(1)
+            if feed_draft:
+                seq.plain_steps += 1
+            else:
+                seq.accept_lengths.append(1)
         self.emit_next(seqs, hidden[:, -1])
 
     def draft_scores(self, hidden: torch.Tensor) -> torch.Tensor:

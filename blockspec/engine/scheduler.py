@@ -23,9 +23,10 @@ Policy (one step = `Scheduler.step`):
 5. Compact: requests that finished at prefill leave, and running requests above a freed slot move
    down into it (`ModelRunner.compact`, one copy of their K/V), so the decode batch, in slot order,
    is a contiguous slot range whose K/V every layer reads as a view instead of a gather.
-6. Decode: one batched draft forward and one batched target verify (or one plain decode forward)
-   for every request past prefill, including those whose prefill ended this step; each row accepts
-   its own number of tokens, stops on its own stop tokens and max_tokens.
+6. Decode: one batched draft forward and one batched target verify (or one plain decode forward,
+   also when the runner's governor expects that to be faster: spec/governor.py) for every request
+   past prefill, including those whose prefill ended this step; each row accepts its own number of
+   tokens, stops on its own stop tokens and max_tokens.
 
 The scheduler is not thread-safe: one thread (the engine thread) calls add/abort/step.
 Memory: the budget bounds the KV rows in use. Slab rows are zeroed lazily, the first time a forward
@@ -127,7 +128,7 @@ class Scheduler:
         decoding = [s for s in self.running if s.seq_id not in self._prefill_ids and not s.finished]
         decoding.sort(key=lambda s: s.slot)  # a contiguous slot range in order: the KV reads are views
         if decoding:
-            (self.runner.dflash_step if self.use_draft else self.runner.decode_step)(decoding)
+            self.runner.decode(decoding, self.use_draft)
         seen = {s.seq_id for s in prefilled}
         ran = prefilled + [s for s in decoding if s.seq_id not in seen]
         self._retire()

@@ -33,6 +33,7 @@ class Output:
     num_output_tokens: int
     finish_reason: str | None = None
     accept_lengths: list[int] = field(default_factory=list)  # on the last update only
+    plain_steps: int = 0  # on the last update only
     error: str | None = None
 
 
@@ -166,7 +167,7 @@ class AsyncEngine:
         if text or reason is not None:
             final = reason is not None
             self._post(tracked, Output(text, len(seq.output_ids), reason,
-                                       list(seq.accept_lengths) if final else []))
+                                       list(seq.accept_lengths) if final else [], seq.plain_steps if final else 0))
         if reason is not None:
             self._tracked.pop(seq.seq_id, None)
             self._done(seq, reason)
@@ -174,7 +175,7 @@ class AsyncEngine:
 
     def _done(self, seq: Sequence, reason: str) -> None:
         ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
-        self.metrics.request_done(reason, len(seq.prompt_ids), len(seq.output_ids), ttft)
+        self.metrics.request_done(reason, len(seq.prompt_ids), len(seq.output_ids), ttft, seq.plain_steps)
 
     def _post(self, tracked: _Tracked, output: Output) -> None:
         try:

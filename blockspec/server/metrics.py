@@ -53,6 +53,7 @@ class Metrics:
         self.http_errors: dict[int, int] = {}  # status -> count (rejected before reaching the engine)
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.plain_steps = 0
         self.preemptions = 0
         self.accept_length = Histogram(
             "blockspec_accept_length", "Tokens committed per verify step (tau, bonus included)",
@@ -62,11 +63,13 @@ class Metrics:
         self.ttft = Histogram("blockspec_time_to_first_token_seconds", "Arrival to first token", TTFT_BUCKETS)
         self.gauges: dict[str, float] = {}
 
-    def request_done(self, reason: str, prompt_tokens: int, output_tokens: int, ttft: float | None) -> None:
+    def request_done(self, reason: str, prompt_tokens: int, output_tokens: int, ttft: float | None,
+                     plain_steps: int = 0) -> None:
         with self._lock:
             self.requests[reason] = self.requests.get(reason, 0) + 1
             self.prompt_tokens += prompt_tokens
             self.generation_tokens += output_tokens
+            self.plain_steps += plain_steps
             if ttft is not None:
                 self.ttft.observe(ttft)
 
@@ -97,6 +100,8 @@ class Metrics:
             for name, value, help_ in (
                 ("blockspec_prompt_tokens_total", self.prompt_tokens, "Prompt tokens of finished requests"),
                 ("blockspec_generation_tokens_total", self.generation_tokens, "Output tokens of finished requests"),
+                ("blockspec_plain_decode_steps_total", self.plain_steps,
+                 "Plain decode steps adaptive speculation took for DFlash requests, finished requests"),
             ):
                 lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {value}"]
             for name, value in sorted(self.gauges.items()):

@@ -6,8 +6,9 @@ fields we cannot honour (n > 1, logprobs, echo, penalties, tools) are refused, n
 
 Extension fields accepted in requests: `top_k`, `ignore_eos`, `stop_token_ids`.
 Extension field on every response (and on the final stream chunk): `blockspec` =
-`{speculative_algorithm, block_size, accept_lengths, mean_accept_length, num_verify_steps}`,
-where accept_lengths has one entry per verify step, each counting the bonus token (1..block_size).
+`{speculative_algorithm, block_size, accept_lengths, mean_accept_length, num_verify_steps, num_plain_steps}`,
+where accept_lengths has one entry per verify step, each counting the bonus token (1..block_size), and
+num_plain_steps counts the plain decode steps adaptive speculation took instead.
 """
 
 from __future__ import annotations
@@ -197,10 +198,11 @@ def sampling_params(parsed: ParsedRequest, max_tokens: int) -> SamplingParams:
 
 
 # ---- responses -------------------------------------------------------------------------------------
-def extension(accept_lengths: list[int], algorithm: str, block_size: int) -> dict:
+def extension(accept_lengths: list[int], algorithm: str, block_size: int, plain_steps: int = 0) -> dict:
     mean = sum(accept_lengths) / len(accept_lengths) if accept_lengths else 0.0
     return {"speculative_algorithm": algorithm, "block_size": block_size, "accept_lengths": accept_lengths,
-            "mean_accept_length": round(mean, 4), "num_verify_steps": len(accept_lengths)}
+            "mean_accept_length": round(mean, 4), "num_verify_steps": len(accept_lengths),
+            "num_plain_steps": plain_steps}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -5,8 +5,9 @@ states after the `target_layer_ids` layers, concatenated; float16 on disk) and t
 target's argmax next token at every position). A store is a folder of append-only shards
 (`shard_NNNNN.{ids,labels,features,offsets,starts}.npy`, memory-mapped when read) plus meta.json,
 keyed by target identity + layer ids + data source + sequence length + extraction dtype (one store
-per source, so a new mix of sources reuses the ones already extracted), so a larger
-`--tokens` or an interrupted extraction continues where the last one stopped.
+per source, so a new mix of sources reuses the ones already extracted; `responses:N` for any N shares
+one store, its rows being a prefix of one growing cache), so a larger `--tokens`, a larger N or an
+interrupted extraction continues where the last one stopped.
 """
 
 from __future__ import annotations

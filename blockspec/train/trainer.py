@@ -76,12 +76,19 @@ class Trainer:
             parts, budget = [], cfg.tokens if split == "train" else cfg.eval_seqs
             for i, source in enumerate(sources):
                 share = None if budget is None else max(1, budget // (len(sources) - i))
-                fields = dict(target=ident, layer_ids=list(capture), data=[source], seq_len=cfg.seq_len,
-                              seed=cfg.seed, dtype=str(tdtype), split=split, response_tokens=cfg.response_tokens)
+                # The rows of responses:N are the first N of one growing cache: its store is keyed without N
+                # and capped at those rows' sequences, so a larger N extracts only the new rows.
+                rows = {k: v[heldout] for k, v in responses.items()}
+                cap = sum(1 for _ in D.source_sequences(source, None, 0, 0, heldout, rows)) if source in rows else None
+                fields = dict(target=ident, layer_ids=list(capture), data=["responses" if cap is not None else source],
+                              seq_len=cfg.seq_len, seed=cfg.seed, dtype=str(tdtype), split=split,
+                              response_tokens=cfg.response_tokens)
                 store = FeatureStore(root / "features" / cache_key(**fields), fields)
-                seqs = D.source_sequences(source, self.tokenizer, cfg.seq_len, cfg.seed, heldout,
-                                          {k: v[heldout] for k, v in responses.items()})
-                limit = (share, None) if split == "train" else (None, share)
+                seqs = D.source_sequences(source, self.tokenizer, cfg.seq_len, cfg.seed, heldout, rows)
+                if split == "train":
+                    limit = (share, cap)
+                else:
+                    limit = (None, share if cap is None else min(share, cap))
                 got = extract(store, seqs, self.target, capture, *limit, cfg.extract_batch_size,
                               desc=f"target features ({source}, {split})")
                 if got["tokens"]:

@@ -1,0 +1,72 @@
+"""Adaptive speculation: run a DFlash step only when it is expected to beat a plain decode step.
+
+A DFlash step commits tau tokens per row (tau: the mean accept length, bonus included) but costs more
+than a plain step, by a factor that depends on the hardware, the block size and the batch size (on a
+2-core CPU ~1.4x at B=2; on a GPU at batch 1 barely more than 1x). So the governor measures both: the
+wall time of each kind of step, per (block size, batch size), and each sequence's recent tau (a slow
+moving average: single accept lengths are noisy, and chasing them speculates on lucky streaks that do
+not last; a new sequence starts from the average over all sequences). It speculates when  mean tau x plain-step time > DFlash-step time,  i.e. when DFlash is expected to
+commit more tokens per second. Neither estimate is trusted forever: after `probe_spec_every` plain
+steps in a row it speculates once (the text may have become predictable again), and after
+`probe_plain_every` DFlash steps in a row it decodes plainly once (the plain cost may have changed).
+
+Output is unaffected: a plain step is exactly the baseline, and it still feeds the draft its context
+features, so speculation can resume at any step (that costs a plain step ~1-6% on a 2-core CPU:
+scripts/fed_plain_bench.py). Only speed changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from blockspec.engine.sequence import Sequence
+
+
+@dataclass
+class SpecGovernor:
+    alpha: float = 0.3  # weight of the newest step time in the step-cost moving averages
+    tau_alpha: float = 0.1  # weight of the newest accept length in the tau moving averages (noisier)
+    probe_spec_every: int = 16
+    probe_plain_every: int = 64
+    _seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (width, batch) -> s per step
+    _tau: dict[int, float] = field(default_factory=dict)  # block size -> tau over all sequences (new ones)
+    _streak: tuple[bool, int] = (True, 0)  # (kind of the last steps, how many in a row)
+
+    def __post_init__(self) -> None:
+        if not (0 < self.alpha <= 1 and 0 < self.tau_alpha <= 1) or min(self.probe_spec_every,
+                                                                         self.probe_plain_every) < 1:
+            raise ValueError(f"SpecGovernor: alpha={self.alpha} and tau_alpha={self.tau_alpha} must be in (0, 1] "
+                             f"and the probe intervals ({self.probe_spec_every}, {self.probe_plain_every}) >= 1.")
+
+    @staticmethod
+    def _average(old: float | None, new: float, alpha: float) -> float:
+        return new if old is None else old + alpha * (new - old)
+
+    def expected_tau(self, seq: Sequence, block_size: int) -> float | None:
+        return seq.tau_estimate if seq.tau_estimate is not None else self._tau.get(block_size)
+
+    def speculate(self, seqs: list[Sequence], block_size: int) -> bool:
+        """Whether the next step for this batch should be a DFlash step."""
+        spec = self._seconds.get((block_size, len(seqs)))
+        plain = self._seconds.get((1, len(seqs)))
+        taus = [self.expected_tau(s, block_size) for s in seqs]
+        if spec is None or None in taus:
+            return True  # not measured yet at this block size / batch size, or a sequence never tried
+        if plain is None:
+            return False
+        kind, run = self._streak
+        if run >= (self.probe_plain_every if kind else self.probe_spec_every):
+            return not kind
+        return sum(taus) / len(taus) * plain > spec
+
+    def record(self, seqs: list[Sequence], block_size: int, speculated: bool, seconds: float) -> None:
+        """Fold in one finished step: its wall time and, for a DFlash step, each row's accept length."""
+        key = (block_size if speculated else 1, len(seqs))
+        self._seconds[key] = self._average(self._seconds.get(key), seconds, self.alpha)
+        kind, run = self._streak
+        self._streak = (speculated, run + 1 if kind == speculated else 1)
+        if speculated:
+            for seq in seqs:
+                tau = seq.accept_lengths[-1]
+                seq.tau_estimate = self._average(seq.tau_estimate, tau, self.tau_alpha)
+                self._tau[block_size] = self._average(self._tau.get(block_size), tau, self.tau_alpha)
