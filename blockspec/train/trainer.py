@@ -79,12 +79,13 @@ class Trainer:
                 # The rows of responses:N are the first N of one growing cache: its store is keyed without N
                 # and capped at those rows' sequences, so a larger N extracts only the new rows.
                 rows = {k: v[heldout] for k, v in responses.items()}
-                cap = sum(1 for _ in D.source_sequences(source, None, 0, 0, heldout, rows)) if source in rows else None
+                args = (source, self.tokenizer, cfg.seq_len, cfg.seed, heldout, rows)
+                cap = sum(1 for _ in D.source_sequences(*args)) if source in rows else None
                 fields = dict(target=ident, layer_ids=list(capture), data=["responses" if cap is not None else source],
                               seq_len=cfg.seq_len, seed=cfg.seed, dtype=str(tdtype), split=split,
                               response_tokens=cfg.response_tokens)
                 store = FeatureStore(root / "features" / cache_key(**fields), fields)
-                seqs = D.source_sequences(source, self.tokenizer, cfg.seq_len, cfg.seed, heldout, rows)
+                seqs = D.source_sequences(*args)
                 if split == "train":
                     limit = (share, cap)
                 else:
