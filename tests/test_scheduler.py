@@ -102,7 +102,8 @@ def test_running_slots_stay_compact(runner, use_draft, monkeypatch):
     want = alone(runner, use_draft)
     batches, moves = [], []
     step = runner.decode
-    monkeypatch.setattr(runner, "decode", lambda seqs, draft: (batches.append([s.slot for s in seqs]), step(seqs, draft)))
+    monkeypatch.setattr(runner, "decode",
+                        lambda seqs, draft: (batches.append([s.slot for s in seqs]), step(seqs, draft)))
     move = runner.target_cache.move
     monkeypatch.setattr(runner.target_cache, "move", lambda *a: (moves.append(a), move(*a)))
     got = fresh()

@@ -6,7 +6,8 @@ fields we cannot honour (n > 1, logprobs, echo, penalties, tools) are refused, n
 
 Extension fields accepted in requests: `top_k`, `ignore_eos`, `stop_token_ids`.
 Extension field on every response (and on the final stream chunk): `blockspec` =
-`{speculative_algorithm, block_size, accept_lengths, mean_accept_length, num_verify_steps, num_plain_steps}`,
+`{speculative_algorithm, block_size, accept_lengths, mean_accept_length, num_verify_steps,
+num_plain_steps}`,
 where accept_lengths has one entry per verify step, each counting the bonus token (1..block_size), and
 num_plain_steps counts the plain decode steps adaptive speculation took instead.
 """

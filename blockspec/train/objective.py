@@ -186,8 +186,8 @@ def greedy_accept_lengths(
     """Accepted length per complete block under greedy verification against the labels:
     1 (the anchor / bonus) + the number of leading slots where draft argmax == label (the argmax over
     `vocab` when given, as the engine ranks the proposals of a draft that carries its vocabulary).
-    Blocks that run past the sequence end are skipped; a run that reaches a slot whose label is unknown (the text left
-    the target's greedy path there) stops, so on teacher-forced text this is a lower bound.
+    Blocks that run past the sequence end are skipped; a run that reaches a slot whose label is unknown
+    (the text left the target's greedy path there) stops, so on teacher-forced text this is a lower bound.
     Returns float [num_complete]."""
     complete = blocks.complete
     if not complete.any():
