@@ -1,5 +1,6 @@
-"""What a plain decode step costs when it also feeds the draft (captures the target's features and injects
-them into the draft's cache, so adaptive speculation can resume), vs an ordinary plain step.
+"""What a plain decode step of a DFlash request costs (it captures the target's features for the draft, so
+adaptive speculation can resume; since lazy feeding they wait on the sequence and are injected 64 at a
+time here, as no DFlash step comes), vs an ordinary plain step.
 Interleaved, 5 timed repetitions of 128 tokens each, medians.
 
     PYTHONPATH=. python scripts/fed_plain_bench.py [DRAFT_DIR]    (default: the shipped draft)

@@ -16,8 +16,7 @@ from blockspec.engine.sequence import Sequence
 from blockspec.models.argmax_head import Int8ArgmaxHead
 from blockspec.models.loader import load_draft, load_target
 from blockspec.sampling_params import SamplingParams
-from blockspec.spec.governor import SpecGovernor
-from tests.tiny import write_tiny_draft, write_tiny_target
+from tests.tiny import ScriptedGovernor, write_tiny_draft, write_tiny_target
 
 BLOCK_SIZES = (2, 4, 8, 16)
 DRAFT_VOCAB = torch.cat([torch.arange(0, 12), torch.arange(12, 97, 3)])  # the tiny target has 97 ids
@@ -55,12 +54,12 @@ prompt_st = st.lists(st.integers(0, 96), min_size=1, max_size=60)
     stops=st.lists(st.integers(0, 96), max_size=3),
     int8_head=st.booleans(),
     draft_vocab=st.booleans(),
-    alternate=st.booleans(),
+    script=st.one_of(st.none(), st.lists(st.booleans(), min_size=1, max_size=12)),
 )
-def test_greedy_dflash_equals_plain(models, prompts, size, max_tokens, stops, int8_head, draft_vocab, alternate):
+def test_greedy_dflash_equals_plain(models, prompts, size, max_tokens, stops, int8_head, draft_vocab, script):
     runner = models[size]
-    # adaptive speculation forced to alternate DFlash and plain (draft-feeding) steps
-    runner.governor = SpecGovernor(probe_spec_every=1, probe_plain_every=1) if alternate else None
+    # adaptive speculation's mix of DFlash and plain steps (which leave the draft a backlog to catch up on)
+    runner.governor = None if script is None else ScriptedGovernor(script)
     runner.set_block_size(size)  # the runners share one target: pack its weights for this block size
     # both LM-head paths on any CPU: plain fp32, and the int8 one used where bf16 matmuls are fast
     runner.argmax_head = Int8ArgmaxHead(runner.target.lm_head.weight) if int8_head else None

@@ -58,23 +58,51 @@ def test_bad_settings_are_refused(kwargs):
         SpecGovernor(**kwargs)
 
 
-def test_plain_step_feeds_the_draft_what_a_prefill_would(runner):
-    """After a plain step the draft's context K/V for the new position equals what prefilling the
-    longer prompt writes, so the next DFlash step drafts from a complete context."""
+def test_plain_steps_feed_the_draft_what_a_prefill_would(runner):
+    """Plain steps keep their features; once the backlog is injected (in one pass, before the next
+    DFlash step) the draft's context K/V equals what prefilling the longer prompt writes."""
     prompt = [5, 9, 2, 7, 3, 8]
     a = Sequence(prompt, SamplingParams(max_tokens=8), frozenset())
     runner.admit(a)
     runner.sample_first([a], runner.prefill_batch([a], [prompt], use_draft=True))
-    runner.decode_step([a], feed_draft=True)  # writes position len(prompt): the first output token
-    b = Sequence(prompt + a.output_ids[:1], SamplingParams(max_tokens=8), frozenset())
+    for _ in range(3):
+        runner.decode_step([a], feed_draft=True)
+    assert len(a.unfed_features) == 3
+    runner.feed_draft_backlog([a])
+    assert a.unfed_features == []
+    b = Sequence(prompt + a.output_ids[:3], SamplingParams(max_tokens=8), frozenset())
     runner.admit(b)
     runner.prefill_batch([b], [b.prompt_ids], use_draft=True)
-    n = len(prompt) + 1
+    n = len(prompt) + 3
     for cache in (runner.draft_cache.k, runner.draft_cache.v):
         torch.testing.assert_close(cache[:, a.slot, :, :n], cache[:, b.slot, :, :n])
-    assert a.plain_steps == 1 and a.accept_lengths == []  # plain steps are not verify steps
+    assert a.plain_steps == 3 and a.accept_lengths == []  # plain steps are not verify steps
     runner.release(a)
     runner.release(b)
+
+
+def test_backlogs_of_different_lengths_are_fed_and_capped(runner, monkeypatch):
+    monkeypatch.setattr(runner, "MAX_UNFED", 4)
+    a, b = (Sequence([5, 9, 2, 7], SamplingParams(max_tokens=16), frozenset()) for _ in range(2))
+    for seq in (a, b):
+        runner.admit(seq)
+    runner.sample_first([a, b], runner.prefill_batch([a, b], [a.prompt_ids, b.prompt_ids], use_draft=True))
+    runner.decode_step([a], feed_draft=True)
+    for _ in range(2):
+        runner.decode_step([a, b], feed_draft=True)
+    assert (len(a.unfed_features), len(b.unfed_features)) == (3, 2)
+    runner.decode_step([a, b], feed_draft=True)  # a reaches the cap: the whole batch is fed
+    assert a.unfed_features == [] and b.unfed_features == []
+    ref = Sequence(a.prompt_ids + a.output_ids[:4], SamplingParams(max_tokens=8), frozenset())
+    runner.admit(ref)
+    runner.prefill_batch([ref], [ref.prompt_ids], use_draft=True)
+    n = len(ref.prompt_ids)
+    torch.testing.assert_close(runner.draft_cache.k[:, a.slot, :, :n], runner.draft_cache.k[:, ref.slot, :, :n])
+    runner.decode_step([b], feed_draft=True)
+    runner.release(b)  # finished or preempted: the backlog goes with the slot
+    assert b.unfed_features == []
+    for seq in (a, ref):
+        runner.release(seq)
 
 
 def test_governed_generation_mixes_steps_and_matches_plain(runner):

@@ -16,7 +16,7 @@ from blockspec.engine.sequence import Sequence
 from blockspec.errors import RequestError
 from blockspec.models.loader import load_draft, load_target
 from blockspec.sampling_params import SamplingParams
-from tests.tiny import write_tiny_draft, write_tiny_target
+from tests.tiny import ScriptedGovernor, write_tiny_draft, write_tiny_target
 
 CPU = torch.device("cpu")
 MAX_LEN = 160
@@ -195,3 +195,24 @@ def test_random_workloads_match_alone(runner, requests, slack, chunk, use_draft)
     drive(scheduler, got, {})
     assert_same(got, want)
     assert_all_free(scheduler)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(requests=st.lists(st.tuples(prompt_st, st.integers(1, 40)), min_size=2, max_size=6),
+       slack=st.integers(0, 60), script=st.lists(st.booleans(), min_size=1, max_size=10))
+def test_random_workloads_mixing_dflash_and_plain_steps_match_plain(runner, requests, slack, script):
+    """Adaptive speculation's plain steps leave each request a backlog of draft features; preemption,
+    compaction and finishing must drop or carry it correctly. Greedy output equals plain decoding."""
+    reqs = [(p, SamplingParams(max_tokens=m), []) for p, m in requests]
+    want = alone(runner, False, reqs)
+    biggest = max(len(p) + sp.max_tokens - 1 for p, sp, _ in reqs) + 4
+    runner.governor = ScriptedGovernor(script)
+    try:
+        scheduler = Scheduler(runner, True, max_total_tokens=biggest + slack, prefill_tokens_per_step=16)
+        got = fresh(reqs)
+        drive(scheduler, got, {})
+    finally:
+        runner.governor = None
+    assert_same(got, want)
+    assert_all_free(scheduler)
+    assert all(not s.unfed_features for s in got)

@@ -87,3 +87,18 @@ def write_tiny_tokenizer(folder: Path) -> Path:
     config = {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>", "chat_template": TINY_CHAT_TEMPLATE}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
+
+
+class ScriptedGovernor:
+    """Stands in for SpecGovernor in tests: speculates (True) or decodes plainly (False) by a fixed
+    cyclic script instead of by timing, so runs are deterministic and mix both kinds of step."""
+
+    def __init__(self, script: list[bool]) -> None:
+        self.script, self.step = script or [True], 0
+
+    def speculate(self, seqs, block_size) -> bool:
+        self.step += 1
+        return self.script[(self.step - 1) % len(self.script)]
+
+    def record(self, seqs, block_size, speculated, seconds) -> None:
+        pass

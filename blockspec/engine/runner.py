@@ -25,6 +25,12 @@ from blockspec.spec.governor import SpecGovernor
 
 
 class ModelRunner:
+    # A plain step of a DFlash request only keeps the new position's target features; the draft catches
+    # up right before it drafts again (`feed_draft_backlog`): injecting k positions costs about what
+    # injecting one does (the draft's weights are read once), and a request that finishes while decoding
+    # plainly never pays for its backlog. At most this many positions wait.
+    MAX_UNFED = 64
+
     def __init__(
         self,
         target: CausalLM,
@@ -70,6 +76,7 @@ class ModelRunner:
         if seq.slot >= 0:
             self.pool.free(seq.slot)
             seq.slot = -1
+        seq.unfed_features.clear()  # its draft cache is gone; a resumed request is prefilled again
 
     @torch.inference_mode()
     def compact(self, seqs: list[Sequence]) -> None:
@@ -125,20 +132,37 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode_step(self, seqs: list[Sequence], feed_draft: bool = False) -> None:
-        """Plain autoregressive step: one token for every sequence. `feed_draft` also gives the draft the
-        new position's context features, so a DFlash request can speculate again at its next step."""
+        """Plain autoregressive step: one token for every sequence. `feed_draft` also keeps the new
+        position's target features for the draft (`feed_draft_backlog`), so a DFlash request can
+        speculate again at any later step."""
         batch = Batch([s.slot for s in seqs], [s.num_cached for s in seqs])
         ids = torch.tensor([[s.pending_token] for s in seqs], device=self.device)
         hidden, features = self.target(ids, batch, self.target_cache, self.capture if feed_draft else ())
-        if feed_draft:
-            self.draft.inject(features, batch, self.draft_cache)
-        for seq in seqs:
+        for row, seq in enumerate(seqs):
             seq.num_cached += 1
             if feed_draft:
                 seq.plain_steps += 1
+                seq.unfed_features.append(features[row, 0])
             else:
                 seq.accept_lengths.append(1)
+        if feed_draft and max(len(s.unfed_features) for s in seqs) >= self.MAX_UNFED:
+            self.feed_draft_backlog(seqs)
         self.emit_next(seqs, hidden[:, -1])
+
+    @torch.inference_mode()
+    def feed_draft_backlog(self, seqs: list[Sequence]) -> None:
+        """Inject every sequence's unfed target features into the draft's cache: one pass per distinct
+        backlog length (usually one: a batch takes plain steps together)."""
+        by_length: dict[int, list[Sequence]] = {}
+        for seq in seqs:
+            if seq.unfed_features:
+                by_length.setdefault(len(seq.unfed_features), []).append(seq)
+        for n, group in by_length.items():
+            features = torch.stack([torch.stack(s.unfed_features) for s in group])  # [g, n, K*H]
+            self.draft.inject(features, Batch([s.slot for s in group], [s.num_cached - n for s in group]),
+                              self.draft_cache)
+            for seq in group:
+                seq.unfed_features.clear()
 
     def draft_scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """Scores [M, V] of the target's LM head for draft hidden states [M, H] (the int8 copy where there is
@@ -163,6 +187,7 @@ class ModelRunner:
     def dflash_step(self, seqs: list[Sequence]) -> None:
         """Draft a block per sequence in one pass, verify all blocks in one target pass, commit."""
         size = self.block_size
+        self.feed_draft_backlog(seqs)
         batch = Batch([s.slot for s in seqs], [s.num_cached for s in seqs])
         block = torch.full((len(seqs), size), self.mask_token_id, device=self.device)
         block[:, 0] = torch.tensor([s.pending_token for s in seqs], device=self.device)

@@ -26,6 +26,9 @@ class Sequence:
     accept_lengths: list[int] = field(default_factory=list)  # per verify step (plain decoding: 1 per step)
     plain_steps: int = 0  # plain decode steps taken by a DFlash request (adaptive speculation)
     tau_estimate: float | None = None  # moving average of its accept lengths (adaptive speculation)
+    # Target features [K*H] of the last positions (num_cached - len .. num_cached - 1) that plain steps
+    # captured but did not yet inject into the draft's cache: injected in one pass when it next drafts.
+    unfed_features: list[torch.Tensor] = field(default_factory=list)
     num_cached: int = 0
     finish_reason: str | None = None
     generator: torch.Generator | None = None

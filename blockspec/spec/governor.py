@@ -11,9 +11,9 @@ second. Neither estimate is trusted forever: after `probe_spec_every` plain step
 speculates once (the text may have become predictable again), and after `probe_plain_every` DFlash
 steps in a row it decodes plainly once (the plain cost may have changed).
 
-Output is unaffected: a plain step is exactly the baseline, and it still feeds the draft its context
-features, so speculation can resume at any step (that costs a plain step ~1-6% on a 2-core CPU:
-scripts/fed_plain_bench.py). Only speed changes.
+Output is unaffected: a plain step is exactly the baseline, and it still captures the target's features
+for the draft (kept on the sequence and injected in one pass before its next DFlash step), so speculation
+can resume at any step. Only speed changes.
 """
 
 from __future__ import annotations
