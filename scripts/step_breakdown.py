@@ -46,8 +46,8 @@ with torch.inference_mode():
     hidden_size, features_width = runner.draft.config.hidden_size, runner.draft.fc.in_features
     for _ in range(args.reps):
         drafts = timed("DFlash: draft (forward + ranking)", lambda: runner.draft_tokens([seq], block, batch))
-        hidden_draft = runner.draft(embed(block), batch, runner.draft_cache)[:, 1:].reshape(-1, hidden_size)
-        timed("  of which the draft's layers", lambda: runner.draft(embed(block), batch, runner.draft_cache))
+        drafted = timed("  of which the draft's layers", lambda: runner.draft(embed(block), batch, runner.draft_cache))
+        hidden_draft = drafted[:, 1:].reshape(-1, hidden_size)
         timed("  of which ranking proposals", lambda: runner.draft_scores(hidden_draft).argmax(-1))
         candidates = torch.cat([block[:, :1], drafts], dim=1)
         hidden, features = timed(f"DFlash: target pass, {size} rows",
