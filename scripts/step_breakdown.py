@@ -54,7 +54,8 @@ with torch.inference_mode():
                                  lambda: runner.target(candidates, batch, runner.target_cache, runner.capture))
         timed("DFlash: target's token choices", lambda: runner.target_outputs([seq], hidden))
         timed("DFlash: draft context injection", lambda: runner.draft.inject(features, batch, runner.draft_cache))
-        hidden1, _ = timed("plain: target pass, 1 row", lambda: runner.target(candidates[:, :1], batch, runner.target_cache))
+        hidden1, _ = timed("plain: target pass, 1 row",
+                           lambda: runner.target(candidates[:, :1], batch, runner.target_cache))
         timed("plain: target pass, 1 row, capturing features",
               lambda: runner.target(candidates[:, :1], batch, runner.target_cache, runner.capture))
         timed("plain: target's token choice", lambda: runner.target_outputs([seq], hidden1))
