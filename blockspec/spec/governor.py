@@ -2,13 +2,13 @@
 
 A DFlash step commits tau tokens per row (tau: the mean accept length, bonus included) but costs more
 than a plain step, by a factor that depends on the hardware, the block size and the batch size (on a
-2-core CPU ~1.35x at B=2; on a GPU at batch 1 it should be barely more than 1x, not measured yet). So
-the governor measures both: the wall time of each kind of step, per (block size, batch size), and each
-sequence's recent tau (a slow moving average: single accept lengths are noisy, and chasing them speculates on lucky streaks that do
-not last; a new sequence starts from the average over all sequences). It speculates when
-mean tau x plain-step time > DFlash-step time, i.e. when DFlash is expected to commit more tokens per
-second. Neither estimate is trusted forever: after `probe_spec_every` plain steps in a row it
-speculates once (the text may have become predictable again), and after `probe_plain_every` DFlash
+2-core CPU ~1.35x at B=2; on a GPU at batch 1 it should be barely more than 1x, not measured yet). So the
+governor measures both: the wall time of each kind of step, per (block size, batch size), and each
+sequence's recent tau (a slow moving average: single accept lengths are noisy, and chasing them
+speculates on lucky streaks that do not last; a new sequence starts from the average over all sequences).
+It speculates when mean tau x plain-step time > DFlash-step time, i.e. when DFlash is expected to commit
+more tokens per second. Neither estimate is trusted forever: after `probe_spec_every` plain steps in a
+row it speculates once (the text may have become predictable again), and after `probe_plain_every` DFlash
 steps in a row it decodes plainly once (the plain cost may have changed).
 
 Output is unaffected: a plain step is exactly the baseline, and it still captures the target's features
