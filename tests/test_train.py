@@ -410,3 +410,42 @@ def test_target_identity_follows_content_not_mtime(tmp_path) -> None:
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
     assert target_identity(tmp_path) != before
+
+
+def test_distillation_teacher_is_the_targets_own_distribution(tiny):
+    """The soft labels come from the cached features of the deepest tapped layer run through the target's
+    remaining layers: they must equal the target's own full forward at the positions the slots predict from."""
+    from blockspec.models.loader import load_target
+    from blockspec.train.trainer import Trainer
+
+    cfg = _cfg(tiny, tiny / "kd-probe", distill=0.5, train_dtype="float32", dtype="float32")
+    trainer = Trainer(cfg)
+    trainer.prepare_data()
+    trainer.draft = DFlashDraft(trainer.draft_cfg)
+    reference = load_target(tiny / "target", torch.float32, CPU)
+    for i in range(max(trainer.draft_cfg.target_layer_ids) + 1):  # as run() strips the target
+        trainer.target.layers[i] = torch.nn.Identity()
+    trainer._teacher_cache = None
+    _, blocks, _, teacher = trainer.forward("train", [0, 1], 4, torch.Generator().manual_seed(0), teacher=True)
+    ids, _, _, lengths, _ = trainer.batch("train", [0, 1])
+    t = ids.shape[1]
+    with torch.no_grad():
+        full = reference.norm(reference(ids, Batch([0, 1], [0, 0]), reference.new_cache(2, t))[0])
+    from_pos = blocks.positions.view(2, -1, 4)[:, :, :-1]
+    for row in range(2):
+        for j in range(from_pos.shape[1]):
+            for k in range(3):
+                p = int(from_pos[row, j, k])
+                if p < lengths[row]:  # features are stored in fp16
+                    assert torch.allclose(teacher[row, j, k], full[row, p], atol=2e-2), (row, j, k)
+
+
+def test_distillation_trains_and_is_validated(tiny):
+    summary = train(_cfg(tiny, tiny / "kd", steps=30, lr=1e-2, distill=0.5, train_vocab=48))
+    state = torch.load(tiny / "kd" / "checkpoint" / "state.pt", weights_only=False)
+    losses = [r["loss"] for r in state["history"]]
+    assert summary["step"] == 30 and all(math.isfinite(x) for x in losses) and sum(losses[-5:]) < sum(losses[:5])
+    assert load_draft(tiny / "kd", ModelConfig.from_folder(tiny / "target"), torch.float32, CPU).vocab.numel() == 48
+    for bad in (-0.1, 1.5, True):
+        with pytest.raises(BlockspecError, match="--distill"):
+            _cfg(tiny, tiny / "kd-bad", distill=bad)

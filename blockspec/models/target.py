@@ -101,8 +101,20 @@ class CausalLM(nn.Module):
         Returns the last layer's hidden states [b, n, H] (before the final norm) and, if `capture`
         is given, the captured layer outputs concatenated in `capture` order: [b, n, len(capture)*H].
         """
-        n = input_ids.shape[1]
-        positions = batch.positions(n, input_ids.device)
+        return self.run_layers(self.embed_tokens(input_ids), 0, batch, cache, capture)
+
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        first: int,
+        batch: Batch,
+        cache: KVCache,
+        capture: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` from layer `first` on: x [b, n, H] is layer first-1's output (the embeddings when
+        first is 0). Training's distillation runs a target's top layers on captured features this way."""
+        n = x.shape[1]
+        positions = batch.positions(n, x.device)
         length = max(batch.starts) + n
         cache.prepare(batch, length)
         mask = causal_mask(positions, length)
@@ -110,11 +122,10 @@ class CausalLM(nn.Module):
             cfg = self.config
             mask = fold_mask(mask, cfg.num_attention_heads // cfg.num_key_value_heads, self.embed_tokens.weight.dtype)
         rope = self.rotary.table(positions, self.embed_tokens.weight.dtype)
-        x = self.embed_tokens(input_ids)
         captured: dict[int, torch.Tensor] = {}
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, batch, cache, length, mask)
+        for i in range(first, last + 1):
+            x = self.layers[i](x, rope, batch, cache, length, mask)
             if i in capture:
                 # HF's hidden_states[L] (layer id L-1) is taken after the final norm; drafts train on that.
                 captured[i] = self.norm(x) if i == last else x

@@ -46,6 +46,9 @@ def register(sub) -> None:
     a("--seq-len", type=int, default=512)
     a("--anchors-per-seq", type=int, default=32)
     a("--loss-gamma", type=float, default=None, help="position decay (default 7/5/4 for block 16/10/8)")
+    a("--distill", type=float, default=0.0, metavar="ALPHA",
+      help="soft labels: loss = (1-ALPHA)*CE + ALPHA*KL(target || draft), the target's distribution computed "
+      "from the deepest tapped layer's cached features through its remaining layers (default 0: hard labels)")
     a("--init", default="target", help="target (draft layers start as the target's top layers), random, "
       "or a draft folder to continue from (same shape)")
     a("--train-vocab", type=int, default=None, metavar="N",

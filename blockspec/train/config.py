@@ -45,6 +45,7 @@ class TrainConfig:
     seq_len: int = 512
     anchors_per_seq: int = 32
     loss_gamma: float | None = None
+    distill: float = 0.0  # weight of KL(target || draft) against the hard-label CE (0: labels only)
     train_vocab: int | None = None  # training softmax over the N most frequent label tokens (None: all)
     init: str = "target"  # "target": draft layers start as the target's top layers; "random"; or a draft folder
     device: str = "auto"
@@ -88,6 +89,9 @@ class TrainConfig:
         if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.weight_decay < 1.0:
             raise BlockspecError(f"train-draft: --warmup-ratio={self.warmup_ratio} and --weight-decay="
                                  f"{self.weight_decay} must be in [0, 1).")
+        if isinstance(self.distill, bool) or not isinstance(self.distill, (int, float)) or not 0 <= self.distill <= 1:
+            raise BlockspecError(f"train-draft: --distill={self.distill!r} must be in [0, 1] (the KL term's share "
+                                 f"of the loss; 0 trains on hard labels only).")
         if self.loss_gamma is not None and not self.loss_gamma > 0:
             raise BlockspecError(f"train-draft: --loss-gamma={self.loss_gamma} must be > 0.")
         if self.init not in ("target", "random") and not (Path(self.init).expanduser() / "config.json").is_file():

@@ -64,7 +64,10 @@ def write_model_card(path: Path, cfg: TrainConfig, draft: DraftConfig, target: P
         f"- {stats.get('step')} of {stats.get('total_steps')} steps, batch {cfg.batch_size} sequences x "
         f"{cfg.anchors_per_seq} random anchors; AdamW lr {cfg.lr}, cosine schedule, warm-up ratio "
         f"{cfg.warmup_ratio}, grad clip {cfg.grad_clip}; loss decay gamma "
-        f"{cfg.loss_gamma or default_gamma(draft.block_size)}",
+        f"{cfg.loss_gamma or default_gamma(draft.block_size)}"
+        + (f"; soft labels: loss = {1 - cfg.distill:g} x CE + {cfg.distill:g} x KL(target || draft), the target's "
+           f"distribution computed from the cached features of its layer {max(draft.target_layer_ids)} through its "
+           f"remaining layers" if cfg.distill else ""),
         f"- machine: {stats.get('machine')}; draft forward in {stats.get('train_dtype')}",
     ]
     if "train_vocab" in stats:

@@ -160,24 +160,36 @@ class TrainVocab:
 
 def dflash_loss(
     hidden: torch.Tensor, lm_head, blocks: Blocks, weights: torch.Tensor, vocab: TrainVocab | None = None,
+    teacher: torch.Tensor | None = None, distill: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Position-decayed cross-entropy over the predicted slots; the LM head (or the restricted `vocab`)
-    runs on labelled rows only."""
+    runs on labelled rows only. With `teacher` (the target's final-normed hidden state at the position
+    each slot predicts from, [b, count, B-1, H]) and distill > 0 the per-slot loss is
+    (1 - distill) * CE(label) + distill * KL(target || draft) over the same head: the target's whole
+    next-token distribution, not only its argmax (soft labels, as in knowledge distillation)."""
     block_size = weights.numel() + 1
     labels = blocks.labels if vocab is None else vocab.labels(blocks.labels)
     rows = labels != IGNORE  # [b, count, B-1]
     if not rows.any():
         return hidden.sum() * 0.0, {"loss": 0.0, "acc1": 0.0}
-    logits = block_logits(hidden, lm_head if vocab is None else vocab, block_size, rows)
+    head = lm_head if vocab is None else vocab
+    logits = block_logits(hidden, head, block_size, rows)
     target = labels[rows]
     w = weights.to(hidden.device).expand_as(rows)[rows]
-    ce = F.cross_entropy(logits, target, reduction="none")
-    loss = (ce * w).sum() / w.sum()
+    per_slot = F.cross_entropy(logits, target, reduction="none")
+    info = {}
+    if teacher is not None and distill > 0:
+        with torch.no_grad():
+            log_p = F.log_softmax(head(teacher[rows].to(logits.dtype)).float(), dim=-1)
+        kl = (log_p.exp() * (log_p - F.log_softmax(logits.float(), dim=-1))).sum(-1)
+        per_slot = (1.0 - distill) * per_slot + distill * kl
+        info["kl"] = ((kl.detach() * w).sum() / w.sum()).item()
+    loss = (per_slot * w).sum() / w.sum()
     with torch.no_grad():  # top-1 accuracy of the first predicted slot (the one verified first)
         first = torch.arange(block_size - 1, device=rows.device).expand_as(rows)[rows] == 0
         hits = logits[first].argmax(-1) == target[first]
         acc1 = hits.float().mean().item() if hits.numel() else 0.0
-    return loss, {"loss": loss.item(), "acc1": acc1}
+    return loss, {"loss": loss.item(), "acc1": acc1, **info}
 
 
 def greedy_accept_lengths(

@@ -71,6 +71,28 @@ ROLES = (
     "museum guide", "kindergarten teacher", "travel agent", "farmer", "doctor", "film director",
 )
 ITEMS = ("apples", "books", "marbles", "tickets", "cookies", "pencils", "stamps", "coins")
+# Specific, multi-constraint requests as people write them (the benchmarks' style, none of their text).
+FORMS = ("a cover letter", "a product review", "a restaurant review", "a short news article", "a tweet thread",
+         "a limerick", "a dialogue between two friends", "a recipe", "a three-day itinerary", "a lesson plan",
+         "an FAQ section", "a press release", "a motivational speech", "a letter to the editor", "a short fable")
+AUDIENCES = ("children aged eight", "busy parents", "university students", "retired teachers", "a job interviewer",
+             "first-time travellers", "small business owners", "software developers", "a local newspaper")
+CONSTRAINTS = ("Keep it under 150 words.", "Use exactly three bullet points.", "Give it a catchy title.",
+               "Write in a formal tone.", "Make it humorous.", "End with a question to the reader.",
+               "Include one concrete example.", "Avoid technical jargon.", "Use a numbered list.",
+               "Start every sentence with a different letter.", "Write it in the second person.")
+CODE_GOALS = ("reverses the words in a sentence", "checks whether a string is a palindrome", "merges two sorted lists",
+              "counts the vowels in a text", "returns the n-th Fibonacci number", "finds all primes below n",
+              "parses a CSV line into fields", "computes the median of a list", "flattens a nested list",
+              "removes duplicate items while keeping their order", "converts Roman numerals to integers",
+              "finds the longest common prefix of several strings", "validates an email address",
+              "groups words that are anagrams", "computes the edit distance of two strings")
+LANGUAGES = ("Python", "Python", "Python", "JavaScript", "C++", "Java", "Rust", "Go", "Bash")
+NAMES = ("Alice", "Bob", "Chen", "Dana", "Emeka", "Farah", "Gustav", "Hana", "Ivan", "Julia", "Kofi", "Leila")
+CITIES = ("Lisbon", "Nairobi", "Osaka", "Denver", "Krakow", "Lima", "Hanoi", "Toronto", "Cairo", "Oslo")
+SITUATIONS = ("a customer complains that an order arrived late", "a new colleague asks for help on the first day",
+              "a storm cancels the plans for the day", "someone asks you to explain your job at a party",
+              "you must give bad news to a friend", "a reporter asks about a mistake you made")
 
 
 def _split(values: tuple[str, ...], heldout: bool) -> list[str]:
@@ -89,6 +111,42 @@ def arithmetic_prompt(rng: random.Random) -> str:
     if kind == 3:
         return f"What is the sum of all integers from 1 to {a * c}? Explain how you got the answer."
     return f"If a train travels {a * 10} km in {c} hours, what is its average speed? Show the calculation."
+
+
+def detailed_prompt(rng: random.Random, topics: list[str], roles: list[str]) -> str:
+    """One specific request: writing with an audience and constraints, a coding task, a logic puzzle, a
+    numeric STEM question, an extraction over a made-up record, or a role-play situation."""
+    kind, t = rng.randrange(6), rng.choice(topics)
+    if kind == 0:
+        return (f"Write {rng.choice(FORMS)} for {rng.choice(AUDIENCES)} about {t}. "
+                + " ".join(rng.sample(CONSTRAINTS, rng.randint(1, 2))))
+    if kind == 1:
+        extra = rng.choice(("", " Include a short docstring.", " Explain its time complexity.",
+                            " Add two example calls.", " Do not use any library functions."))
+        return f"Write a {rng.choice(LANGUAGES)} function that {rng.choice(CODE_GOALS)}.{extra}"
+    if kind == 2:
+        a, b, c = rng.sample(NAMES, 3)
+        trait = rng.choice(("taller", "older", "faster", "richer"))
+        return rng.choice((f"{a} is {trait} than {b}, and {b} is {trait} than {c}. Who is the least {trait[:-2]}? "
+                           f"Explain your reasoning step by step.",
+                           f"{a}, {b} and {c} each own a different pet: a cat, a dog and a parrot. {a} is allergic "
+                           f"to fur and {b} does not own the dog. Who owns which pet?"))
+    if kind == 3:
+        x, y = rng.randint(2, 30), rng.randint(2, 12)
+        return rng.choice((f"A car accelerates from rest at {x} m/s^2 for {y} seconds. How far does it travel?",
+                           f"What is the derivative of f(x) = {x}x^3 - {y}x + 7? Show each step.",
+                           f"You invest ${x * 100} at {y}% annual interest, compounded yearly. How much do you have "
+                           f"after 3 years?", f"Find the area of a triangle with base {x} cm and height {y} cm.",
+                           f"A solution contains {x} g of salt in {y * 100} mL of water. What is its concentration "
+                           f"in g/L?"))
+    if kind == 4:
+        a, b = rng.sample(NAMES, 2)
+        record = (f"On {rng.randint(1, 28)} March, {a} from {rng.choice(CITIES)} met {b} from "
+                  f"{rng.choice(CITIES)} to discuss {t}. They agreed on a budget of ${rng.randint(2, 90)},000 and a "
+                  f"deadline of {rng.randint(1, 28)} June.")
+        return rng.choice((f"Extract every person, city, amount and date from this text as JSON:\n\n{record}",
+                           f"Summarize this note in one sentence, then list its action items:\n\n{record}"))
+    return f"Imagine you are a {rng.choice(roles)} and {rng.choice(SITUATIONS)}. How do you respond, and why?"
 
 
 def implement_stubs(files: list[Path], rng: random.Random, want: int) -> list[str]:
@@ -132,7 +190,8 @@ def paragraphs(files: list[Path], rng: random.Random, want: int) -> list[str]:
 
 
 def response_prompts(count: int, heldout: bool, seed: int, stdlib: list[Path], pydoc: list[Path]) -> list[str]:
-    """`count` prompts, about 40% code (snippet tasks and docstring stubs) and 60% general chat."""
+    """`count` prompts: half specific requests (`detailed_prompt`), half templated tasks, about 40% of them
+    code (snippet tasks and docstring stubs), the rest general chat."""
     rng = random.Random(seed + (1 if heldout else 0))
     topics, roles = _split(TOPICS, heldout), _split(ROLES, heldout)
     stubs = implement_stubs(stdlib, rng, count // 5)
@@ -142,8 +201,10 @@ def response_prompts(count: int, heldout: bool, seed: int, stdlib: list[Path], p
     for _ in range(50 * count):
         if len(prompts) >= count:
             break
-        kind = rng.randrange(10)
-        if kind <= 1:
+        kind = rng.randrange(20)  # 10..19: specific multi-constraint requests
+        if kind >= 10:
+            add(detailed_prompt(rng, topics, roles))
+        elif kind <= 1:
             code = code_snippet(stdlib, rng)
             if code:
                 add(rng.choice(CODE_TASKS).format(code=code))

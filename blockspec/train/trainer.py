@@ -12,6 +12,7 @@ import math
 import platform
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from blockspec.config import ModelConfig
+from blockspec.engine.kv_cache import Batch
 from blockspec.errors import BlockspecError
 from blockspec.llm import resolve_dtype
 from blockspec.models.draft import DFlashDraft
@@ -148,7 +150,8 @@ class Trainer:
         return out
 
     # ---- model ------------------------------------------------------------------------------
-    def forward(self, split: str, indices: list[int], count: int, generator: torch.Generator):
+    def forward(self, split: str, indices: list[int], count: int, generator: torch.Generator, teacher: bool = False):
+        """(draft hidden states, blocks, tokens, the target's hidden states for the slots when `teacher`)."""
         ids, labels, feats, lengths, starts = self.batch(split, indices)
         anchors, valid = sample_anchors(lengths, starts, count, generator)
         blocks = build_blocks(ids, labels, lengths, anchors.to(self.device), valid.to(self.device),
@@ -156,7 +159,29 @@ class Trainer:
         ctx_pos = torch.arange(ids.shape[1], device=self.device).expand(ids.shape[0], -1)
         embeds = self.target.embed_tokens(blocks.input_ids).float()
         hidden = self.draft.forward_train(embeds, blocks.positions, feats, ctx_pos, blocks.mask)
-        return hidden, blocks, sum(lengths)
+        return hidden, blocks, sum(lengths), self.teacher_hidden(feats, blocks) if teacher else None
+
+    @torch.no_grad()
+    @torch.autocast("cpu", enabled=False)
+    @torch.autocast("cuda", enabled=False)
+    def teacher_hidden(self, feats: torch.Tensor, blocks) -> torch.Tensor:
+        """The target's final-normed hidden state at the position each block slot predicts from
+        ([b, count, B-1, H]): the deepest tapped layer's cached features run through the target's
+        remaining layers in its own dtype (causal; right padding cannot reach real positions)."""
+        b, t, _ = feats.shape
+        size, hidden_size = self.draft_cfg.block_size, self.target_cfg.hidden_size
+        capture, last = self.draft_cfg.target_layer_ids, self.target_cfg.num_hidden_layers - 1
+        deepest = max(capture)
+        column = capture.index(deepest) * hidden_size
+        x = feats[..., column : column + hidden_size].to(self.target.embed_tokens.weight.dtype)
+        if deepest < last:  # a capture of the last layer is already final-normed (HF hidden_states[L])
+            if self._teacher_cache is None:  # batches hold <= batch_size sequences of <= seq_len tokens
+                self._teacher_cache = self.target.new_cache(self.cfg.batch_size, self.cfg.seq_len)
+            x, _ = self.target.run_layers(x, deepest + 1, Batch(list(range(b)), [0] * b), self._teacher_cache)
+            x = self.target.norm(x)
+        from_pos = blocks.positions.view(b, -1, size)[:, :, :-1].clamp(max=t - 1)  # slot k predicts from a+k-1
+        gathered = x.gather(1, from_pos.reshape(b, -1, 1).expand(-1, -1, hidden_size))
+        return gathered.view(b, -1, size - 1, hidden_size)
 
     def amp(self):
         """bf16 autocast (fp32 master weights) when --train-dtype resolves to bfloat16."""
@@ -170,7 +195,7 @@ class Trainer:
         for i in range(0, self.num_eval, self.cfg.batch_size):
             indices = list(range(i, min(self.num_eval, i + self.cfg.batch_size)))
             with self.amp():
-                hidden, blocks, _ = self.forward("eval", indices, self.cfg.eval_anchors, gen)
+                hidden, blocks, _, _ = self.forward("eval", indices, self.cfg.eval_anchors, gen)
                 accepted.append(greedy_accept_lengths(hidden, self.target.lm_head, blocks, self.vocab).cpu())
         lengths = torch.cat(accepted) if accepted else torch.zeros(0)
         return {"tau": lengths.mean().item() if lengths.numel() else float("nan"), "blocks": lengths.numel()}
@@ -190,7 +215,9 @@ class Trainer:
     def load(self) -> int:
         state = torch.load(self.state_path, map_location="cpu", weights_only=False)  # RNG states stay on CPU
         old, new = state["fingerprint"], self.cfg.fingerprint()
-        diff = [f"--{k.replace('_', '-')}: {old.get(k)} -> {new[k]}" for k in new if old.get(k) != new[k]]
+        default = {f.name: str(f.default) for f in fields(TrainConfig)}  # a field newer than the checkpoint
+        diff = [f"--{k.replace('_', '-')}: {old.get(k, default[k])} -> {new[k]}" for k in new
+                if old.get(k, default[k]) != new[k]]
         if diff:
             raise BlockspecError(f"--resume: the checkpoint in {self.state_path} was trained with other settings "
                                  f"({'; '.join(diff)}). Rerun with the original settings, or use a new --output.")
@@ -223,8 +250,13 @@ class Trainer:
             init_draft(self.draft, self.target, cfg.init, torch.Generator().manual_seed(cfg.seed))
         else:
             self.draft.load_state_dict(self.start_weights(Path(cfg.init).expanduser()))
-        for name in [n for n, _ in self.target.named_children() if n not in ("embed_tokens", "lm_head")]:
+        keep = ("embed_tokens", "lm_head") + (("layers", "norm", "rotary") if cfg.distill else ())
+        for name in [n for n, _ in self.target.named_children() if n not in keep]:
             delattr(self.target, name)  # from here on only the frozen embedding and LM head are needed
+        if cfg.distill:  # ... and the layers above the deepest tapped one (the teacher's distribution)
+            for i in range(max(self.draft_cfg.target_layer_ids) + 1):
+                self.target.layers[i] = torch.nn.Identity()
+        self._teacher_cache = None
         self.target.requires_grad_(False)
         self.vocab = self.train_vocab() if cfg.train_vocab else None
         self.draft.rotary.ensure(cfg.seq_len + self.draft_cfg.block_size)
@@ -245,8 +277,10 @@ class Trainer:
             while step < stop:
                 gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
                 with self.amp():
-                    hidden, blocks, n_tok = self.forward("train", self.step_indices(step), cfg.anchors_per_seq, gen)
-                    loss, info = dflash_loss(hidden, self.target.lm_head, blocks, weights, self.vocab)
+                    hidden, blocks, n_tok, teacher = self.forward(
+                        "train", self.step_indices(step), cfg.anchors_per_seq, gen, teacher=cfg.distill > 0)
+                    loss, info = dflash_loss(hidden, self.target.lm_head, blocks, weights, self.vocab, teacher,
+                                             cfg.distill)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
                 self.opt.step()
