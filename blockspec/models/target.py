@@ -7,6 +7,8 @@ which is what a DFlash draft is conditioned on.
 
 from __future__ import annotations
 
+from itertools import islice
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -124,8 +126,8 @@ class CausalLM(nn.Module):
         rope = self.rotary.table(positions, self.embed_tokens.weight.dtype)
         captured: dict[int, torch.Tensor] = {}
         last = len(self.layers) - 1
-        for i in range(first, last + 1):
-            x = self.layers[i](x, rope, batch, cache, length, mask)
+        for i, layer in islice(enumerate(self.layers), first, None):  # no ModuleList indexing per layer
+            x = layer(x, rope, batch, cache, length, mask)
             if i in capture:
                 # HF's hidden_states[L] (layer id L-1) is taken after the final norm; drafts train on that.
                 captured[i] = self.norm(x) if i == last else x

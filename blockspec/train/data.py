@@ -5,7 +5,7 @@ Sources (`--data`, a comma list):
   pydoc        Debian python3.11-doc reStructuredText sources (skipped with a warning if absent)
   responses:N  N greedy responses of the target itself to prompts built offline (train/prompts.py:
                stdlib code tasks, docstring stubs, writing, role-play, explanations, arithmetic,
-               extraction), generated with the engine's batched `LLM.generate` and cached on disk
+               extraction, specific multi-constraint requests), generated with the engine's batched `LLM.generate` and cached on disk
   PATH.jsonl   one object per line: {"text": ...} or {"token_ids": [...]}
 Each source has a held-out split (stdlib/pydoc: the json and email modules and their docs;
 responses: prompts from held-out topics and those modules; jsonl: every 50th line) used only for

@@ -21,7 +21,7 @@ def _source(source: str) -> str:
     if source.startswith("responses:"):
         return (f"{source.split(':')[1]} on-policy greedy responses of the target to prompts built offline "
                 f"(blockspec/train/prompts.py: stdlib code tasks and docstring stubs, writing, role-play, "
-                f"explanations, arithmetic, extraction); labels are the responses' own next tokens")
+                f"explanations, arithmetic, extraction, specific multi-constraint requests); labels are the responses' own next tokens")
     return SOURCE_TEXT.get(source, f"{source} (JSONL, teacher-forced)")
 
 
