@@ -20,7 +20,7 @@ from blockspec.llm import DEFAULT_DRAFT
 from blockspec.models.loader import load_draft
 from blockspec.train.data import TrainSequence
 from blockspec.train.features import target_features
-from blockspec.train.objective import build_blocks
+from blockspec.train.objective import TrainVocab, build_blocks, greedy_accept_lengths
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--datasets", default="humaneval,mt-bench")
@@ -49,14 +49,19 @@ def accept_lengths(draft, seq: TrainSequence, feats, labels, block_size: int) ->
                           draft.config.mask_token_id)
     hidden = draft.forward_train(target.embed_tokens(blocks.input_ids).float(), blocks.positions,
                                  torch.from_numpy(feats).float().unsqueeze(0), torch.arange(t).view(1, -1), blocks.mask)
-    slots = hidden.view(1, -1, block_size, hidden.shape[-1])[0, :, 1:]  # [anchors, B-1, H]
-    head = target.lm_head.weight if draft.vocab is None else target.lm_head.weight[draft.vocab]
-    proposed = (slots @ head.T).argmax(-1)
-    if draft.vocab is not None:
-        proposed = draft.vocab[proposed]
-    complete = blocks.complete[0]
-    hits = (proposed[complete] == blocks.labels[0][complete]).long()
-    return 1.0 + hits.cumprod(-1).sum(-1).float()
+    return greedy_accept_lengths(hidden, target.lm_head, blocks, vocabs[draft])
+
+
+def draft_vocab(draft) -> TrainVocab | None:
+    """The draft's own vocabulary as the objective ranks over it (the engine does the same)."""
+    if draft.vocab is None:
+        return None
+    marks = torch.zeros(target.config.vocab_size)
+    marks[draft.vocab] = 1.0
+    return TrainVocab(target.lm_head.weight, marks, draft.vocab.numel())
+
+
+vocabs = {draft: draft_vocab(draft) for draft in drafts.values()}
 
 
 for name in args.datasets.split(","):

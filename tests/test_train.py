@@ -423,9 +423,7 @@ def test_distillation_teacher_is_the_targets_own_distribution(tiny):
     trainer.prepare_data()
     trainer.draft = DFlashDraft(trainer.draft_cfg)
     reference = load_target(tiny / "target", torch.float32, CPU)
-    for i in range(max(trainer.draft_cfg.target_layer_ids) + 1):  # as run() strips the target
-        trainer.target.layers[i] = torch.nn.Identity()
-    trainer._teacher_cache = None
+    trainer.freeze_target()
     _, blocks, _, teacher = trainer.forward("train", [0, 1], 4, torch.Generator().manual_seed(0), teacher=True)
     ids, _, _, lengths, _ = trainer.batch("train", [0, 1])
     t = ids.shape[1]

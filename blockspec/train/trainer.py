@@ -161,6 +161,18 @@ class Trainer:
         hidden = self.draft.forward_train(embeds, blocks.positions, feats, ctx_pos, blocks.mask)
         return hidden, blocks, sum(lengths), self.teacher_hidden(feats, blocks) if teacher else None
 
+    def freeze_target(self) -> None:
+        """After feature extraction training needs only the frozen embedding and LM head, plus, with
+        --distill, the layers above the deepest tapped one (the teacher's distribution)."""
+        keep = ("embed_tokens", "lm_head") + (("layers", "norm", "rotary") if self.cfg.distill else ())
+        for name in [n for n, _ in self.target.named_children() if n not in keep]:
+            delattr(self.target, name)
+        if self.cfg.distill:
+            for i in range(max(self.draft_cfg.target_layer_ids) + 1):
+                self.target.layers[i] = torch.nn.Identity()
+        self._teacher_cache = None
+        self.target.requires_grad_(False)
+
     @torch.no_grad()
     @torch.autocast("cpu", enabled=False)
     @torch.autocast("cuda", enabled=False)
@@ -250,14 +262,7 @@ class Trainer:
             init_draft(self.draft, self.target, cfg.init, torch.Generator().manual_seed(cfg.seed))
         else:
             self.draft.load_state_dict(self.start_weights(Path(cfg.init).expanduser()))
-        keep = ("embed_tokens", "lm_head") + (("layers", "norm", "rotary") if cfg.distill else ())
-        for name in [n for n, _ in self.target.named_children() if n not in keep]:
-            delattr(self.target, name)  # from here on only the frozen embedding and LM head are needed
-        if cfg.distill:  # ... and the layers above the deepest tapped one (the teacher's distribution)
-            for i in range(max(self.draft_cfg.target_layer_ids) + 1):
-                self.target.layers[i] = torch.nn.Identity()
-        self._teacher_cache = None
-        self.target.requires_grad_(False)
+        self.freeze_target()
         self.vocab = self.train_vocab() if cfg.train_vocab else None
         self.draft.rotary.ensure(cfg.seq_len + self.draft_cfg.block_size)
         self.draft.to(self.device).train()
