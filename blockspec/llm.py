@@ -8,22 +8,21 @@ from pathlib import Path
 
 import torch
 
+from blockspec.device import resolve_device, resolve_dtype
 from blockspec.engine.engine import run_to_completion
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
 from blockspec.errors import BlockspecError, DraftConfigError, RequestError
-from blockspec.models.gguf_convert import ensure_default_model
+from blockspec.models.default_model import ensure_default_model
 from blockspec.models.loader import load_draft, load_target
 from blockspec.models.tokenizer import Tokenizer
 from blockspec.sampling_params import SamplingParams
-from blockspec.spec.draft_config import resolve_device
 from blockspec.spec.governor import SpecGovernor
 
 log = logging.getLogger("blockspec")
 
 DEFAULT_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-dflash"
 ALGORITHMS = ("DFLASH", "NONE")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -53,16 +52,6 @@ class RequestOutput:
         """Tokens after the first over the time after the first (prefill excluded)."""
         n = len(self.token_ids) - 1
         return n / self.decode_time_s if n > 0 and self.decode_time_s > 0 else 0.0
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise BlockspecError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)} or 'auto'.")
-    return DTYPES[dtype]
 
 
 class LLM:

@@ -13,7 +13,7 @@ import time
 import torch
 
 from blockspec.engine.kv_cache import Batch
-from blockspec.models.gguf_convert import ensure_default_model
+from blockspec.models.default_model import ensure_default_model
 from blockspec.models.layers import Linear
 from blockspec.models.loader import load_target
 

@@ -13,14 +13,9 @@ from hypothesis import strategies as st
 
 from blockspec.config import ModelConfig
 from blockspec.errors import BlockspecError, DraftConfigError
-from blockspec.spec.draft_config import (
-    DraftConfig,
-    check_draft_tensors,
-    default_target_layer_ids,
-    draft_tensor_shapes,
-    resolve_device,
-    resolve_draft_config,
-)
+from blockspec.device import resolve_device
+from blockspec.spec.draft_config import DraftConfig, default_target_layer_ids, resolve_draft_config
+from blockspec.spec.draft_tensors import check_draft_tensors, draft_tensor_shapes
 
 QWEN3_8B = ModelConfig(
     family="qwen3", vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,

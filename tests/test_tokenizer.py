@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from blockspec.errors import ModelLoadError, RequestError
-from blockspec.models.gguf_convert import gguf_path
+from blockspec.models.default_model import gguf_path
 from blockspec.models.tokenizer import StreamDecoder, Tokenizer
 
 TEXTS = [

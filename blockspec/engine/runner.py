@@ -20,7 +20,7 @@ from blockspec.models.draft import DFlashDraft
 from blockspec.models.layers import Linear
 from blockspec.models.target import CausalLM
 from blockspec.spec.accept import greedy_accept, sampled_accept
-from blockspec.spec.draft_config import has_fast_bf16
+from blockspec.device import has_fast_bf16
 from blockspec.spec.governor import SpecGovernor
 
 

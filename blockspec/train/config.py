@@ -1,4 +1,5 @@
-"""Training configuration (validated when constructed) and the draft it describes: config + initial weights."""
+"""Training configuration (validated when constructed) and the draft it describes: config + initial weights
+(from the target's top layers, or a previous draft grown by layers), and the training dtype."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from pathlib import Path
 import torch
 
 from blockspec.config import ModelConfig
+from blockspec.device import has_fast_bf16
 from blockspec.errors import BlockspecError
 from blockspec.models.draft import DFlashDraft
+from blockspec.models.loader import load_draft
 from blockspec.models.target import CausalLM
 from blockspec.spec.draft_config import DraftConfig, default_target_layer_ids, resolve_draft_config
 
@@ -185,3 +188,36 @@ def init_draft(draft: DFlashDraft, target: CausalLM, how: str, generator: torch.
     draft.fc.weight.zero_()
     draft.fc.weight[:, -h:] = torch.eye(h)
     draft.hidden_norm.weight.copy_(draft.layers[0].input_layernorm.weight)
+
+
+def load_init_weights(folder: Path, mine: DraftConfig, target: ModelConfig, tokenizer) -> dict[str, torch.Tensor]:
+    """--init FOLDER: the weights of an existing draft of the same shape. The block size may differ (the
+    weights do not depend on it: a draft trained at 16 can be tuned for 4), and the draft may grow:
+    extra layers are copies of its last layer with o_proj and down_proj zeroed, i.e. identity residual
+    blocks, so the deeper draft starts out computing exactly what the old one did."""
+    token_to_id = tokenizer.token_to_id if tokenizer else None
+    old = load_draft(folder, target, torch.float32, torch.device("cpu"), token_to_id)
+    theirs = old.config
+    for name in ("target_layer_ids", "mask_token_id", "num_hidden_layers", "has_embed_tokens"):
+        if name == "num_hidden_layers" and mine.num_hidden_layers > theirs.num_hidden_layers:
+            continue
+        if getattr(mine, name) != getattr(theirs, name):
+            raise BlockspecError(f"train-draft: --init {folder} has {name}={getattr(theirs, name)}, but this run "
+                                 f"trains {name}={getattr(mine, name)}. Match the flags to that draft "
+                                 f"(see its MODEL_CARD.md; it may be grown to more layers, not fewer), or "
+                                 f"start from --init target.")
+    weights = old.state_dict()
+    last = f"layers.{theirs.num_hidden_layers - 1}."
+    for layer in range(theirs.num_hidden_layers, mine.num_hidden_layers):
+        for key, value in list(weights.items()):
+            if key.startswith(last):
+                zero = key.endswith(("o_proj.weight", "down_proj.weight", "o_proj.bias", "down_proj.bias"))
+                weights[f"layers.{layer}." + key[len(last):]] = torch.zeros_like(value) if zero else value.clone()
+    return weights
+
+
+def resolve_train_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto': bfloat16 where bf16 matmuls are fast (CUDA, CPUs with AMX / AVX512-BF16), else float32."""
+    if name != "auto":
+        return getattr(torch, name)
+    return torch.bfloat16 if has_fast_bf16(device) else torch.float32

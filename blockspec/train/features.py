@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from blockspec.engine.kv_cache import Batch
-from blockspec.models.gguf_convert import file_sha256
+from blockspec.models.default_model import file_sha256
 from blockspec.models.target import CausalLM
 from blockspec.train.data import TrainSequence
 

@@ -1,4 +1,4 @@
-"""The draft training loop: data and features, AdamW + cosine/warm-up + clipping, held-out tau,
+"""The draft training loop (data from prepare.py), AdamW + cosine/warm-up + clipping, held-out tau,
 resumable checkpoints, z-lab output with a model card.
 
 Determinism: the batch order of step s and its anchors are functions of (seed, s) alone, so a run
@@ -20,20 +20,20 @@ import torch
 from tqdm import tqdm
 
 from blockspec.config import ModelConfig
+from blockspec.device import resolve_device
 from blockspec.engine.kv_cache import Batch
 from blockspec.errors import BlockspecError
-from blockspec.llm import resolve_dtype
 from blockspec.models.draft import DFlashDraft
-from blockspec.models.gguf_convert import blockspec_home, ensure_default_model
-from blockspec.models.loader import load_draft, load_target, save_draft
+from blockspec.models.default_model import ensure_default_model
+from blockspec.models.loader import save_draft
 from blockspec.models.tokenizer import Tokenizer
-from blockspec.spec.draft_config import has_fast_bf16, resolve_device
 from blockspec.train import data as D
-from blockspec.train.config import SAVE_DTYPES, TrainConfig, init_draft, make_draft_config
-from blockspec.train.features import FeatureStore, StoreSet, cache_key, extract, target_identity
+from blockspec.train.config import (SAVE_DTYPES, TrainConfig, init_draft, load_init_weights, make_draft_config,
+                                    resolve_train_dtype)
 from blockspec.train.model_card import write_model_card
 from blockspec.train.objective import (TrainVocab, build_blocks, cosine_with_warmup, dflash_loss,
                                        greedy_accept_lengths, loss_weights, sample_anchors)
+from blockspec.train.prepare import prepare_stores
 
 
 class Trainer:
@@ -58,71 +58,12 @@ class Trainer:
 
     # ---- data -------------------------------------------------------------------------------
     def prepare_data(self) -> None:
-        """One feature store per (source, split), so a new mix of sources reuses every source already
-        extracted. --tokens is shared out evenly, finite sources (responses, jsonl) first and what they
-        leave over going to the rest. The held-out tau uses the on-policy responses when the data has
-        them (exact greedy labels), else every source's held-out split."""
-        cfg = self.cfg
-        tdtype = resolve_dtype(cfg.dtype, self.device)
-        root = cfg.cache_dir or blockspec_home() / "train-cache"
-        ident = target_identity(self.target_path)
-        responses = {source: self.responses(source, root, ident, str(tdtype))
-                     for source in self.spec.sources if source.startswith("responses:")}
-        self.target = load_target(self.target_path, tdtype, self.device)
-        capture = self.draft_cfg.target_layer_ids
-        corpus = ("stdlib", "pydoc")
-        order = sorted(self.spec.sources, key=lambda source: source in corpus)
-        eval_sources = [s for s in order if s in responses] or order
-        self.stores = {}
-        for split, heldout, sources in (("train", False, order), ("eval", True, eval_sources)):
-            parts, budget = [], cfg.tokens if split == "train" else cfg.eval_seqs
-            for i, source in enumerate(sources):
-                share = None if budget is None else max(1, budget // (len(sources) - i))
-                # The rows of responses:N are the first N of one growing cache: its store is keyed without N
-                # and capped at those rows' sequences, so a larger N extracts only the new rows.
-                rows = {k: v[heldout] for k, v in responses.items()}
-                args = (source, self.tokenizer, cfg.seq_len, cfg.seed, heldout, rows)
-                cap = sum(1 for _ in D.source_sequences(*args)) if source in rows else None
-                fields = dict(target=ident, layer_ids=list(capture), data=["responses" if cap is not None else source],
-                              seq_len=cfg.seq_len, seed=cfg.seed, dtype=str(tdtype), split=split,
-                              response_tokens=cfg.response_tokens)
-                store = FeatureStore(root / "features" / cache_key(**fields), fields)
-                seqs = D.source_sequences(*args)
-                if split == "train":
-                    limit = (share, cap)
-                else:
-                    limit = (None, share if cap is None else min(share, cap))
-                got = extract(store, seqs, self.target, capture, *limit, cfg.extract_batch_size,
-                              desc=f"target features ({source}, {split})")
-                if got["tokens"]:
-                    done = self.stats.setdefault(f"extract_{split}", {"tokens": 0, "seconds": 0.0})
-                    done["tokens"] += got["tokens"]
-                    done["seconds"] += got["seconds"]
-                    done["tokens_per_s"] = done["tokens"] / max(done["seconds"], 1e-9)
-                count = store.prefix(*limit)
-                parts.append((store, count))
-                if split == "train":  # --tokens may use only part of a source: the model card says how much
-                    used = {"sequences": count, "tokens": store.tokens_of(count)}
-                    self.stats.setdefault("sources", {})[source] = used
-                if budget is not None:
-                    budget -= store.tokens_of(count) if split == "train" else count
-            self.stores[split] = StoreSet(parts)
+        self.target, self.stores = prepare_stores(self.cfg, self.spec, self.target_path, self.tokenizer,
+                                                  self.draft_cfg.target_layer_ids, self.device, self.stats)
         self.num_train, self.num_eval = len(self.stores["train"]), len(self.stores["eval"])
         if self.num_train == 0:
-            raise BlockspecError(f"train-draft: --data {cfg.data!r} yielded no training sequences.")
+            raise BlockspecError(f"train-draft: --data {self.cfg.data!r} yielded no training sequences.")
         self.train_tokens = self.stores["train"].num_tokens
-
-    def responses(self, source: str, root: Path, ident: dict, tdtype: str) -> dict[bool, list[dict]]:
-        """On-policy responses for a "responses:N" source: N for training (held-out False) and
-        eval_seqs // 2 to prompts from the held-out modules (held-out True), generated once and cached."""
-        cfg = self.cfg
-        key = cache_key(target=ident, seed=cfg.seed, seq_len=cfg.seq_len, dtype=tdtype,
-                        response_tokens=cfg.response_tokens)
-        counts = {False: int(source.split(":")[1]), True: max(1, cfg.eval_seqs // 2)}
-        return {heldout: D.ensure_responses(
-            root / "responses" / f"{key}-{'eval' if heldout else 'train'}.jsonl", self.target_path, count, heldout,
-            cfg.seq_len, cfg.response_tokens, cfg.seed, str(self.device), cfg.dtype, cfg.gen_batch_size)
-            for heldout, count in counts.items()}
 
     def batch(self, split: str, indices: list[int]) -> tuple:
         rows = [self.stores[split].get(i) for i in indices]
@@ -261,7 +202,8 @@ class Trainer:
         if cfg.init in ("target", "random"):
             init_draft(self.draft, self.target, cfg.init, torch.Generator().manual_seed(cfg.seed))
         else:
-            self.draft.load_state_dict(self.start_weights(Path(cfg.init).expanduser()))
+            self.draft.load_state_dict(load_init_weights(Path(cfg.init).expanduser(), self.draft_cfg, self.target_cfg,
+                                                         self.tokenizer))
         self.freeze_target()
         self.vocab = self.train_vocab() if cfg.train_vocab else None
         self.draft.rotary.ensure(cfg.seq_len + self.draft_cfg.block_size)
@@ -327,40 +269,8 @@ class Trainer:
         self.stats["train_vocab"] = {"size": vocab.weight.shape[0], "label_coverage": vocab.coverage}
         return vocab
 
-    def start_weights(self, folder: Path) -> dict[str, torch.Tensor]:
-        """--init FOLDER: the weights of an existing draft of the same shape. The block size may differ (the
-        weights do not depend on it: a draft trained at 16 can be tuned for 4), and the draft may grow:
-        extra layers are copies of its last layer with o_proj and down_proj zeroed, i.e. identity residual
-        blocks, so the deeper draft starts out computing exactly what the old one did."""
-        token_to_id = self.tokenizer.token_to_id if self.tokenizer else None
-        old = load_draft(folder, self.target_cfg, torch.float32, torch.device("cpu"), token_to_id)
-        mine, theirs = self.draft_cfg, old.config
-        for name in ("target_layer_ids", "mask_token_id", "num_hidden_layers", "has_embed_tokens"):
-            if name == "num_hidden_layers" and mine.num_hidden_layers > theirs.num_hidden_layers:
-                continue
-            if getattr(mine, name) != getattr(theirs, name):
-                raise BlockspecError(f"train-draft: --init {folder} has {name}={getattr(theirs, name)}, but this run "
-                                     f"trains {name}={getattr(mine, name)}. Match the flags to that draft "
-                                     f"(see its MODEL_CARD.md; it may be grown to more layers, not fewer), or "
-                                     f"start from --init target.")
-        weights = old.state_dict()
-        last = f"layers.{theirs.num_hidden_layers - 1}."
-        for layer in range(theirs.num_hidden_layers, mine.num_hidden_layers):
-            for key, value in list(weights.items()):
-                if key.startswith(last):
-                    zero = key.endswith(("o_proj.weight", "down_proj.weight", "o_proj.bias", "down_proj.bias"))
-                    weights[f"layers.{layer}." + key[len(last):]] = torch.zeros_like(value) if zero else value.clone()
-        return weights
-
     def last(self, key: str) -> float:
         return next((r[key] for r in reversed(self.history) if key in r), float("nan"))
-
-
-def resolve_train_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto': bfloat16 where bf16 matmuls are fast (CUDA, CPUs with AMX / AVX512-BF16), else float32."""
-    if name != "auto":
-        return getattr(torch, name)
-    return torch.bfloat16 if has_fast_bf16(device) else torch.float32
 
 
 def train(cfg: TrainConfig) -> dict:

@@ -1,0 +1,51 @@
+"""Device and dtype choice: `--device` / `--dtype` names resolved with clear errors, and whether bf16
+matmuls are fast here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from blockspec.errors import BlockspecError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """'cpu', 'cuda', 'cuda:N' or 'auto'/None (cuda when visible, else cpu)."""
+    accepted = "'cpu', 'cuda', 'cuda:N' or 'auto'"
+    key = "auto" if name is None else (name.strip().lower() if isinstance(name, str) else None)
+    if key == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if key == "cpu":
+        return torch.device("cpu")
+    if key is not None and (key == "cuda" or (key.startswith("cuda:") and key[5:].isdigit())):
+        if not torch.cuda.is_available():
+            raise BlockspecError(f"--device {name!r}: no CUDA device is visible to torch (torch {torch.__version__}, "
+                                 f"CUDA build {torch.version.cuda}). Use --device cpu, which blockspec supports.")
+        if key != "cuda" and int(key[5:]) >= torch.cuda.device_count():
+            raise BlockspecError(f"--device {name!r}: only {torch.cuda.device_count()} CUDA device(s) are visible "
+                                 f"(cuda:0..cuda:{torch.cuda.device_count() - 1}). Pick one of those.")
+        return torch.device(key)
+    raise BlockspecError(f"Unsupported --device {name!r}: blockspec accepts {accepted}.")
+
+
+def has_fast_bf16(device: torch.device) -> bool:
+    """bf16 matmuls beat fp32 here: CUDA, or a CPU with bf16 matrix units (AMX / AVX512-BF16; 2.5-2.7x
+    the fp32 rate for multi-row GEMMs on this project's Xeon). Elsewhere bf16 is emulated and slower."""
+    if device.type == "cuda":
+        return True
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text() if device.type == "cpu" and cpuinfo.is_file() else ""
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise BlockspecError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)} or 'auto'.")
+    return DTYPES[dtype]
