@@ -424,8 +424,9 @@ def test_distillation_teacher_is_the_targets_own_distribution(tiny):
     trainer.draft = DFlashDraft(trainer.draft_cfg)
     reference = load_target(tiny / "target", torch.float32, CPU)
     trainer.freeze_target()
-    _, blocks, _, teacher = trainer.forward("train", [0, 1], 4, torch.Generator().manual_seed(0), teacher=True)
-    ids, _, _, lengths, _ = trainer.batch("train", [0, 1])
+    batch = trainer.batch("train", [0, 1])
+    _, blocks, _, teacher = trainer.forward(batch, 4, torch.Generator().manual_seed(0), teacher=True)
+    ids, _, _, lengths, _ = batch
     t = ids.shape[1]
     with torch.no_grad():
         full = reference.norm(reference(ids, Batch([0, 1], [0, 0]), reference.new_cache(2, t))[0])

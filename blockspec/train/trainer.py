@@ -12,6 +12,7 @@ import math
 import platform
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from pathlib import Path
 
@@ -66,6 +67,9 @@ class Trainer:
         self.train_tokens = self.stores["train"].num_tokens
 
     def batch(self, split: str, indices: list[int]) -> tuple:
+        """(ids, labels, fp16 features) as CPU tensors padded to the longest row, lengths, starts. Reading
+        the memory-mapped features is disk-bound once the stores outgrow the page cache, so `run` loads the
+        next step's batch in a background thread while this step computes."""
         rows = [self.stores[split].get(i) for i in indices]
         lengths, starts = [len(r[0]) for r in rows], [r[3] for r in rows]
         t, width = max(lengths), rows[0][2].shape[1]
@@ -76,8 +80,7 @@ class Trainer:
             ids[i, : len(x)] = torch.from_numpy(x.astype(np.int64))
             labels[i, : len(x)] = torch.from_numpy(y.astype(np.int64))
             feats[i, : len(x)] = torch.from_numpy(np.array(f))
-        dev = self.device
-        return ids.to(dev), labels.to(dev), feats.to(dev).float(), lengths, starts
+        return ids, labels, feats, lengths, starts
 
     def step_indices(self, step: int) -> list[int]:
         """Sequences of `step`: consecutive slices of per-epoch permutations seeded by (seed, epoch)."""
@@ -91,9 +94,12 @@ class Trainer:
         return out
 
     # ---- model ------------------------------------------------------------------------------
-    def forward(self, split: str, indices: list[int], count: int, generator: torch.Generator, teacher: bool = False):
-        """(draft hidden states, blocks, tokens, the target's hidden states for the slots when `teacher`)."""
-        ids, labels, feats, lengths, starts = self.batch(split, indices)
+    def forward(self, batch: tuple, count: int, generator: torch.Generator, teacher: bool = False):
+        """For a `batch(...)`: (draft hidden states, blocks, tokens, the target's hidden states for the slots
+        when `teacher`)."""
+        ids, labels, feats, lengths, starts = batch
+        dev = self.device
+        ids, labels, feats = ids.to(dev), labels.to(dev), feats.to(dev).float()
         anchors, valid = sample_anchors(lengths, starts, count, generator)
         blocks = build_blocks(ids, labels, lengths, anchors.to(self.device), valid.to(self.device),
                               self.draft_cfg.block_size, self.draft_cfg.mask_token_id)
@@ -148,7 +154,7 @@ class Trainer:
         for i in range(0, self.num_eval, self.cfg.batch_size):
             indices = list(range(i, min(self.num_eval, i + self.cfg.batch_size)))
             with self.amp():
-                hidden, blocks, _, _ = self.forward("eval", indices, self.cfg.eval_anchors, gen)
+                hidden, blocks, _, _ = self.forward(self.batch("eval", indices), self.cfg.eval_anchors, gen)
                 accepted.append(greedy_accept_lengths(hidden, self.target.lm_head, blocks, self.vocab).cpu())
         lengths = torch.cat(accepted) if accepted else torch.zeros(0)
         return {"tau": lengths.mean().item() if lengths.numel() else float("nan"), "blocks": lengths.numel()}
@@ -220,12 +226,17 @@ class Trainer:
         stop = self.total_steps if cfg.stop_after_steps is None else min(self.total_steps, step + cfg.stop_after_steps)
         ema, seq_tokens, eval_seconds, t0, first = None, 0, 0.0, time.perf_counter(), step
         bar = tqdm(total=self.total_steps, initial=step, desc="train-draft", unit="step")
+        loader = ThreadPoolExecutor(max_workers=1)
+        upcoming = loader.submit(self.batch, "train", self.step_indices(step)) if step < stop else None
         try:
             while step < stop:
+                batch = upcoming.result()
+                if step + 1 < stop:
+                    upcoming = loader.submit(self.batch, "train", self.step_indices(step + 1))
                 gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
                 with self.amp():
-                    hidden, blocks, n_tok, teacher = self.forward(
-                        "train", self.step_indices(step), cfg.anchors_per_seq, gen, teacher=cfg.distill > 0)
+                    hidden, blocks, n_tok, teacher = self.forward(batch, cfg.anchors_per_seq, gen,
+                                                                  teacher=cfg.distill > 0)
                     loss, info = dflash_loss(hidden, self.target.lm_head, blocks, weights, self.vocab, teacher,
                                              cfg.distill)
                 loss.backward()
@@ -252,6 +263,7 @@ class Trainer:
             tqdm.write(f"interrupted at step {step}: saving a checkpoint; continue with --resume", file=sys.stderr)
         finally:
             bar.close()
+            loader.shutdown(cancel_futures=True)
         seconds = time.perf_counter() - t0 - eval_seconds
         self.stats["train"] = {"steps": step - first, "seconds": seconds, "sequence_tokens": seq_tokens,
                                "tokens_per_s": seq_tokens / seconds if seconds else 0.0}
