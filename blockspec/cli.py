@@ -27,6 +27,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=True,
                    help="take a plain decode step instead of a DFlash step when the measured step costs and "
                         "acceptance say it is faster (output is identical either way; default: on)")
+    g.add_argument("--prompt-lookup-ngram", type=int, default=2, metavar="N",
+                   help="DFlash requests: when the context already holds the last N (or more, up to 8) tokens, "
+                        "propose what followed them there instead of drafting (spec/lookup.py; output is "
+                        "identical either way; 0: off; default: 2)")
+    g.add_argument("--prompt-lookup-block-size", type=int, default=None, metavar="W",
+                   help="tokens verified per prompt-lookup step, the pending one included (default: max(4, B))")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's choice)")
 
@@ -49,7 +55,8 @@ def build_llm(args: argparse.Namespace, **extra):
         speculative_algorithm=args.speculative_algorithm, block_size=args.block_size,
         mask_token_id=args.mask_token_id, mask_token=args.mask_token, device=args.device,
         dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
-        adaptive_speculation=args.adaptive_speculation, **extra,
+        adaptive_speculation=args.adaptive_speculation, prompt_lookup_ngram=args.prompt_lookup_ngram,
+        prompt_lookup_block_size=args.prompt_lookup_block_size, **extra,
     )
 
 
@@ -87,6 +94,7 @@ def run_generate(args: argparse.Namespace) -> None:
         "accept_lengths": out.accept_lengths,
         "mean_accept_length": round(out.mean_accept_length, 4),
         "plain_steps": out.plain_steps,
+        "lookup_accept_lengths": out.lookup_accept_lengths,
         "time_to_first_token_s": round(out.time_to_first_token_s, 4),
         "decode_tokens_per_s": round(out.decode_tokens_per_s, 3),
     }
@@ -96,6 +104,9 @@ def run_generate(args: argparse.Namespace) -> None:
     print(out.text)
     note = "" if out.speculative_algorithm == "DFLASH" else " (plain decoding: no DFlash draft in use)"
     plain = f" over {len(out.accept_lengths)} DFlash steps + {out.plain_steps} plain steps" if out.plain_steps else ""
+    if out.lookup_accept_lengths:
+        n = len(out.lookup_accept_lengths)
+        plain += f"; {n} prompt-lookup steps (tau {sum(out.lookup_accept_lengths) / n:.2f})"
     print(
         f"\n[{out.speculative_algorithm}{note}] {len(out.token_ids)} tokens, "
         f"tau={out.mean_accept_length:.2f}{plain}, {out.decode_tokens_per_s:.1f} tok/s decode, "

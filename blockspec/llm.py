@@ -37,6 +37,7 @@ class RequestOutput:
     time_to_first_token_s: float
     decode_time_s: float
     plain_steps: int = 0  # plain decode steps a DFlash request took instead of speculating (adaptive)
+    lookup_accept_lengths: list[int] = field(default_factory=list)  # per prompt-lookup step (not in accept_lengths)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -69,6 +70,8 @@ class LLM:
         max_model_len: int | None = None,
         max_num_seqs: int = 8,
         adaptive_speculation: bool = True,
+        prompt_lookup_ngram: int = 2,
+        prompt_lookup_block_size: int | None = None,
     ) -> None:
         algorithm = (speculative_algorithm or "").upper() or None
         if algorithm is not None and algorithm not in ALGORITHMS:
@@ -77,6 +80,14 @@ class LLM:
             )
         if not isinstance(adaptive_speculation, bool):
             raise BlockspecError(f"adaptive_speculation={adaptive_speculation!r} must be True or False.")
+        if isinstance(prompt_lookup_ngram, bool) or not isinstance(prompt_lookup_ngram, int) or prompt_lookup_ngram < 0:
+            raise BlockspecError(f"prompt_lookup_ngram={prompt_lookup_ngram!r} must be an integer >= 1 (the shortest "
+                                 f"context match whose continuation is proposed), or 0 to turn prompt lookup off.")
+        if prompt_lookup_block_size is not None and (isinstance(prompt_lookup_block_size, bool) or not isinstance(
+                prompt_lookup_block_size, int) or not 2 <= prompt_lookup_block_size <= 64):
+            raise BlockspecError(f"prompt_lookup_block_size={prompt_lookup_block_size!r} must be an integer in [2, 64] "
+                                 f"(the pending token + the proposed tokens verified in one pass), or None for "
+                                 f"max(4, block size).")
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise BlockspecError(f"max_num_seqs={max_num_seqs!r} must be an integer >= 1.")
         self.device = resolve_device(device)
@@ -112,13 +123,15 @@ class LLM:
                 f"max_model_len={self.max_model_len} exceeds the target's max_position_embeddings="
                 f"{cfg.max_position_embeddings}; lower it."
             )
-        slab_len = self.max_model_len + max(self.block_size, 1)
+        lookup_width = prompt_lookup_block_size or max(4, self.block_size)
+        slab_len = self.max_model_len + max(self.block_size, lookup_width if prompt_lookup_ngram else 1)
         for model in (self.target, self.draft):
             if model is not None:
                 model.rotary.ensure(slab_len)
         self.runner = ModelRunner(
             self.target, self.draft, self.block_size, self.draft.config.mask_token_id if self.draft else 0,
             num_slots=max_num_seqs, max_len=slab_len, governor=SpecGovernor() if adaptive_speculation else None,
+            lookup_ngram=prompt_lookup_ngram, lookup_width=lookup_width,
         )
         self.stop_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
 
@@ -197,4 +210,5 @@ class LLM:
             time_to_first_token_s=seq.first_token_time - seq.arrival_time,
             decode_time_s=seq.finish_time - seq.first_token_time,
             plain_steps=seq.plain_steps,
+            lookup_accept_lengths=seq.lookup_accept_lengths,
         )

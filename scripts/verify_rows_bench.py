@@ -31,9 +31,9 @@ def main() -> None:
     layers = [m for m in target.modules() if isinstance(m, Linear) and m is not target.lm_head]
     layouts: dict[tuple[str, int], list] = {("column-major", 1): [None] * len(layers)}
     for rows in (2, 4):
-        layouts[("row-major", rows)] = [(rows, m.weight.detach().contiguous(), None) for m in layers]
-        layouts[("mkl-packed", rows)] = [(rows, m.weight, torch.ops.mkl._mkl_reorder_linear_weight(
-            m.weight.detach().contiguous(), rows)) for m in layers]
+        layouts[("row-major", rows)] = [{rows: (m.weight.detach().contiguous(), None)} for m in layers]
+        layouts[("mkl-packed", rows)] = [{rows: (m.weight, torch.ops.mkl._mkl_reorder_linear_weight(
+            m.weight.detach().contiguous(), rows))} for m in layers]
         layouts[("column-major", rows)] = [None] * len(layers)
     cache = target.new_cache(1, 512)
     times: dict[tuple[str, int], list[float]] = {k: [] for k in layouts}

@@ -11,10 +11,10 @@ from blockspec.config import ModelConfig
 from blockspec.errors import BlockspecError, RequestError
 from tests.tiny import write_tiny_draft, write_tiny_target, write_tiny_tokenizer
 
-FIELDS = {  # INTERFACE.md's, plus plain_steps (adaptive speculation)
+FIELDS = {  # INTERFACE.md's, plus plain_steps (adaptive speculation) and lookup_accept_lengths (prompt lookup)
     "text", "token_ids", "num_prompt_tokens", "num_output_tokens", "finish_reason", "speculative_algorithm",
     "block_size", "accept_lengths", "mean_accept_length", "time_to_first_token_s", "decode_tokens_per_s",
-    "plain_steps",
+    "plain_steps", "lookup_accept_lengths",
 }
 
 
@@ -45,6 +45,7 @@ def test_generate_json(tiny, algorithm):
     assert report["finish_reason"] in ("stop", "length")
     limit = 4 if algorithm == "DFLASH" else 1
     assert report["block_size"] == limit and all(1 <= a <= limit for a in report["accept_lengths"])
+    assert all(1 <= a <= 4 for a in report["lookup_accept_lengths"])  # default width max(4, B)
 
 
 @pytest.mark.parametrize(
@@ -54,6 +55,7 @@ def test_generate_json(tiny, algorithm):
         (["--mask-token-id", "500"], "--mask-token-id=500 is outside the target embedding"),
         (["--temperature", "-1"], "temperature=-1"),
         (["--max-new-tokens", "0"], "max_tokens=0"),
+        (["--prompt-lookup-ngram", "-1"], "prompt_lookup_ngram=-1 must be an integer >= 1"),
         (["--speculative-algorithm", "DFLASH", "--draft-model-path", "/no/such/draft"], "does not exist"),
     ],
 )
@@ -77,6 +79,10 @@ def test_api_lengths_and_prompts(tiny):
         llm.generate([[1, 2, 1000]])
     with pytest.raises(BlockspecError, match="speculative_algorithm"):
         LLM(model_path=target, speculative_algorithm="EAGLE")
+    with pytest.raises(BlockspecError, match=r"prompt_lookup_ngram=-1 must be an integer >= 1 .* or 0 to turn"):
+        LLM(model_path=target, prompt_lookup_ngram=-1)
+    with pytest.raises(BlockspecError, match=r"prompt_lookup_block_size=1 must be an integer in \[2, 64\]"):
+        LLM(model_path=target, prompt_lookup_block_size=1)
     outs = llm.generate(["abc", "hello"], [SamplingParams(max_tokens=5), SamplingParams(max_tokens=7, temperature=0.9, seed=3)])
     assert [len(o.token_ids) <= n for o, n in zip(outs, (5, 7))] == [True, True]
     plain = llm.generate(["abc", "hello"], SamplingParams(max_tokens=12), speculative_algorithm="NONE")

@@ -55,11 +55,15 @@ prompt_st = st.lists(st.integers(0, 96), min_size=1, max_size=60)
     int8_head=st.booleans(),
     draft_vocab=st.booleans(),
     script=st.one_of(st.none(), st.lists(st.booleans(), min_size=1, max_size=12)),
+    lookup=st.tuples(st.sampled_from([0, 1, 2, 3]), st.sampled_from([2, 4, 7])),
 )
-def test_greedy_dflash_equals_plain(models, prompts, size, max_tokens, stops, int8_head, draft_vocab, script):
+def test_greedy_dflash_equals_plain(models, prompts, size, max_tokens, stops, int8_head, draft_vocab, script,
+                                    lookup):
     runner = models[size]
     # adaptive speculation's mix of DFlash and plain steps (which leave the draft a backlog to catch up on)
     runner.governor = None if script is None else ScriptedGovernor(script)
+    # prompt-lookup steps (min n-gram, width) in between, which leave the draft a backlog too
+    runner.lookup_ngram, runner.lookup_width = lookup
     runner.set_block_size(size)  # the runners share one target: pack its weights for this block size
     # both LM-head paths on any CPU: plain fp32, and the int8 one used where bf16 matmuls are fast
     runner.argmax_head = Int8ArgmaxHead(runner.target.lm_head.weight) if int8_head else None
@@ -71,8 +75,10 @@ def test_greedy_dflash_equals_plain(models, prompts, size, max_tokens, stops, in
         assert s.output_ids == p.output_ids
         assert s.finish_reason == p.finish_reason
         assert all(1 <= a <= size for a in s.accept_lengths)
+        assert all(1 <= a <= runner.lookup_width for a in s.lookup_accept_lengths)
+        assert len(s.output_ids) <= sum(s.accept_lengths) + sum(s.lookup_accept_lengths) + s.plain_steps + 1
     assert runner.pool.num_free == runner.pool.num_slots  # every slot came back
-    runner.draft.vocab, runner.governor = None, None
+    runner.draft.vocab, runner.governor, runner.lookup_ngram = None, None, 0
 
 
 @pytest.mark.parametrize("int8_head", [False, True])
@@ -151,19 +157,23 @@ def max_z(counts: Counter, probs: dict, n: int) -> float:
     return worst
 
 
-def worst_deviation(folder, params) -> float:
+def worst_deviation(folder, params, lookup_ngram: int = 0) -> float:
     """Sample tokens 2 and 3 (drafted positions 1 and 2 of a block) 8000 times with DFlash and return
-    the largest standardised deviation from the exact target distribution."""
+    the largest standardised deviation from the exact target distribution. With `lookup_ngram` the prompt
+    holds every token id, so every token has a match and the steps verify prompt-lookup blocks."""
     write_tiny_target(folder / "t", "llama", vocab_size=16, seed=3)
     cfg = ModelConfig.from_folder(folder / "t")
     write_tiny_draft(folder / "d", cfg, block_size=4, mask_token_id=15)
     target = load_target(folder / "t", torch.float32, CPU)
     draft = load_draft(folder / "d", cfg, torch.float32, CPU)
-    runner = ModelRunner(target, draft, 4, 15, num_slots=64, max_len=16)
-    sp, prompt, n = SamplingParams(max_tokens=3, **params), [3, 1], 8000
+    runner = ModelRunner(target, draft, 4, 15, num_slots=64, max_len=32, lookup_ngram=lookup_ngram, lookup_width=4)
+    prompt = [(7 * i + 3) % 16 for i in range(16)] if lookup_ngram else [3, 1]
+    sp, n = SamplingParams(max_tokens=3, **params), 8000
     seqs = [Sequence(prompt, SamplingParams(max_tokens=3, seed=i, **params), frozenset()) for i in range(n)]
     run_to_completion(runner, seqs, use_draft=True)
     outputs = [tuple(s.output_ids) for s in seqs]
+    if lookup_ngram:
+        assert all(s.lookup_accept_lengths and not s.accept_lengths for s in seqs)
 
     first = exact_next(target, [prompt], sp)[0]
     t1_support = [t for t in range(16) if first[t] > 0]
@@ -187,6 +197,12 @@ def test_sampled_dflash_has_target_distribution(tmp_path, params):
     assert worst_deviation(tmp_path, params) < 5.0
 
 
+def test_sampled_prompt_lookup_has_target_distribution(tmp_path):
+    """Prompt-lookup proposals are deterministic tokens like the draft's: the same acceptance keeps the
+    target distribution."""
+    assert worst_deviation(tmp_path, dict(temperature=1.0, top_k=8), lookup_ngram=1) < 5.0
+
+
 def test_distribution_check_catches_a_biased_rule(tmp_path, monkeypatch):
     """Negative control: resampling the bonus from p without removing the rejected draft token
     (a classic bug) over-produces that token and must fail the same check."""
@@ -202,3 +218,24 @@ def test_distribution_check_catches_a_biased_rule(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runner_module, "sampled_accept", biased)
     assert worst_deviation(tmp_path, dict(temperature=1.0)) > 5.0
+
+
+def test_prompt_lookup_steps_skip_the_draft(models):
+    """A request whose context repeats takes prompt-lookup steps (no draft pass), accepts copies, and
+    still matches plain decoding; the draft's backlog of their features is caught up before it drafts."""
+    runner = models[4]
+    runner.lookup_ngram, runner.lookup_width = 1, 6
+    runner.set_block_size(4)
+    drafted, draft_tokens = [], runner.draft_tokens
+    runner.draft_tokens = lambda *a: drafted.append(1) or draft_tokens(*a)
+    try:
+        prompt, params = [5, 6, 7, 8] * 6, SamplingParams(max_tokens=60)
+        plain = generate(runner, [prompt], params, [], use_draft=False)[0]
+        spec = generate(runner, [prompt], params, [], use_draft=True)[0]
+    finally:
+        del runner.draft_tokens
+        runner.lookup_ngram = 0
+        runner.set_block_size(4)
+    assert spec.output_ids == plain.output_ids
+    steps = len(spec.accept_lengths) + len(spec.lookup_accept_lengths)
+    assert spec.lookup_accept_lengths and len(drafted) == len(spec.accept_lengths) < steps

@@ -48,8 +48,8 @@ def test_unsupported_width_is_refused():
 
 @pytest.mark.parametrize("rows", [2, 4])
 def test_packed_linear_matches_and_falls_back(rows):
-    """Linear.pack_for: a weight copy laid out for exactly `rows` rows (row-major for 2, MKL-packed for
-    more); other row counts use F.linear on the stored weight."""
+    """Linear.pack_for: weight copies laid out for exactly the given row counts (row-major for 2, MKL-packed
+    for more); other row counts use F.linear on the stored weight."""
     from blockspec.models.layers import Linear
 
     if rows > 2 and not torch.backends.mkl.is_available():
@@ -61,9 +61,12 @@ def test_packed_linear_matches_and_falls_back(rows):
         layer.bias.normal_()
     x = torch.randn(1, rows, 64)
     plain = layer(x)
-    layer.pack_for(rows)
-    assert layer.fast[0] == rows
+    layer.pack_for((rows, 3))  # several row counts: a DFlash block and a prompt-lookup block
+    assert set(layer.fast) == {rows, 3}
     torch.testing.assert_close(layer(x), plain, rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(1, 3, 64)
+    torch.testing.assert_close(layer(x3), torch.nn.functional.linear(x3, layer.weight, layer.bias), rtol=1e-5,
+                               atol=1e-5)
     assert torch.equal(layer(x[:, :1]), torch.nn.functional.linear(x[:, :1], layer.weight, layer.bias))
     layer.pack_for(None)
-    assert layer.fast is None
+    assert layer.fast == {}

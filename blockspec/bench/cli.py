@@ -131,6 +131,8 @@ def run_bench_command(args: argparse.Namespace) -> None:
         "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
         "model_path": str(llm.model_path), "draft_model_path": _draft_path(args, llm),
         "adaptive_speculation": has_draft and llm.runner.governor is not None,
+        "prompt_lookup_ngram": llm.runner.lookup_ngram or None, "prompt_lookup_block_size":
+            llm.runner.lookup_width if llm.runner.lookup_ngram else None,
         "notes": notes, "machine": machine_info(llm.device, llm.dtype),
         "command": command_line(),
         "date": now_utc(),

@@ -11,6 +11,10 @@ Statistics (paired: a prompt turn counts only when every method produced >= 2 to
   take plain steps where speculating does not pay; tau then covers the DFlash steps it chose to take
   (biased upwards: it speculates where acceptance is high). `--no-adaptive-speculation` measures the
   draft on every step.
+- num_lookup_steps / lookup_mean_accept_length / lookup_accept_length_histogram: prompt-lookup steps
+  (spec/lookup.py: a continuation copied from the context, verified like a draft block, no draft pass),
+  kept out of tau and the histogram so tau stays the draft's own; tokens_per_step = committed tokens over all steps of the run
+  (DFlash, prompt-lookup and plain).
 - outputs_match (greedy only) = fraction of turns whose DFlash tokens equal our plain decoding's.
 """
 
@@ -95,6 +99,12 @@ def accept_stats(samples: list[Sample], dflash: str, block_size: int) -> dict:
         "num_verify_steps": len(steps),
         "num_plain_steps": (plain := sum(s.runs[dflash].plain_steps for s in samples)),
         "speculative_step_fraction": round(len(steps) / (len(steps) + plain), 4) if steps or plain else None,
+        "num_lookup_steps": len(lookups := [a for s in samples for a in s.runs[dflash].lookup_accept_lengths]),
+        "lookup_mean_accept_length": round(sum(lookups) / len(lookups), 4) if lookups else None,
+        "lookup_accept_length_histogram": [round(lookups.count(k) / len(lookups), 5)
+                                           for k in range(1, max(lookups) + 1)] if lookups else None,
+        "tokens_per_step": round((sum(steps) + sum(lookups) + plain) / total, 4)
+        if (total := len(steps) + len(lookups) + plain) else None,
     }
 
 
@@ -155,6 +165,7 @@ def _prompt_row(s: Sample, dflash: str | None, baseline: str | None, names: list
         row["mean_accept_length"] = round(sum(acc) / len(acc), 4) if acc else None
         row["accept_lengths"] = acc
         row["plain_steps"] = s.runs[dflash].plain_steps
+        row["lookup_accept_lengths"] = s.runs[dflash].lookup_accept_lengths
         base, spec = (s.runs[baseline].tpot_s if baseline else None), s.runs[dflash].tpot_s
         row["speedup"] = round(base / spec, 4) if base and spec else None
         if "ar" in names:
@@ -202,6 +213,9 @@ def print_table(report: dict, out: TextIO | None = None) -> None:
         if row.get("num_plain_steps"):
             print(f"{'':<14}adaptive speculation: {row['num_verify_steps']} DFlash steps (tau above is theirs), "
                   f"{row['num_plain_steps']} plain steps", file=out)
+        if row.get("num_lookup_steps"):
+            print(f"{'':<14}prompt lookup: {row['num_lookup_steps']} steps, tau {row['lookup_mean_accept_length']:.2f} "
+                  f"(not in the draft's tau above); {row['tokens_per_step']:.2f} tokens per step overall", file=out)
         if row.get("outputs_match") is not None:
             flag = "" if row["outputs_match"] == 1.0 else "   <-- LOSSLESSNESS BUG: DFlash output differs from plain decoding"
             print(f"{'':<14}outputs_match {row['outputs_match']:.3f}{flag}", file=out)
@@ -234,8 +248,15 @@ def write_plot(report: dict, path: str) -> None:
         right.set_xticks(sizes, [str(b) for b in sizes])
     else:
         hist = report["accept_length_histogram"] or []
-        left.bar(range(1, len(hist) + 1), hist)
-        left.set_xticks(range(1, len(hist) + 1))
+        lookup = report.get("lookup_accept_length_histogram") or []
+        shift = 0.2 if lookup else 0.0
+        left.bar([k - shift for k in range(1, len(hist) + 1)], hist, width=0.8 - 2 * shift,
+                 label=f"draft (tau {report['mean_accept_length'] or 0:.2f})")
+        if lookup:
+            left.bar([k + shift for k in range(1, len(lookup) + 1)], lookup, width=0.4, color="tab:orange",
+                     label=f"prompt lookup (tau {report['lookup_mean_accept_length']:.2f})")
+            left.legend()
+        left.set_xticks(range(1, max(len(hist), len(lookup)) + 1))
         left.set(xlabel="accepted tokens per verify step (incl. bonus)", ylabel="fraction of steps",
                  title=f"Acceptance length (tau={report['mean_accept_length'] or 0:.2f}, B={report['block_size']})")
         pts = [(i, r["speedup"]) for i, r in enumerate(report["per_prompt"]) if r.get("speedup") is not None]

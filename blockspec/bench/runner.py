@@ -34,6 +34,7 @@ class RunStats:
     decode_time_s: float
     accept_lengths: list[int] = field(default_factory=list)
     plain_steps: int = 0  # DFlash runs: plain steps adaptive speculation took instead
+    lookup_accept_lengths: list[int] = field(default_factory=list)  # DFlash runs: prompt-lookup steps
 
     @property
     def tpot_s(self) -> float | None:
@@ -74,7 +75,8 @@ class EngineMethod:
         out = self.llm.generate([prompt_ids], params, speculative_algorithm=self.algorithm)[0]
         dflash = self.algorithm == "DFLASH"
         return RunStats(list(out.token_ids), out.text, out.time_to_first_token_s, out.decode_time_s,
-                        list(out.accept_lengths) if dflash else [], out.plain_steps if dflash else 0)
+                        list(out.accept_lengths) if dflash else [], out.plain_steps if dflash else 0,
+                        list(out.lookup_accept_lengths) if dflash else [])
 
 
 class _TokenClock:

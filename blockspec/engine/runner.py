@@ -1,4 +1,5 @@
-"""Model runner: batched prefill chunks, one plain decode step, one DFlash draft+verify step.
+"""Model runner: batched prefill chunks, one plain decode step, one DFlash draft+verify step, one
+prompt-lookup verify step.
 
 Everything per step is batched: one draft forward and one target verify for all running rows,
 each row accepting its own number of tokens (ragged acceptance needs no padding: rows keep their
@@ -22,6 +23,7 @@ from blockspec.models.target import CausalLM
 from blockspec.spec.accept import greedy_accept, sampled_accept
 from blockspec.device import has_fast_bf16
 from blockspec.spec.governor import SpecGovernor
+from blockspec.spec.lookup import lookup
 
 
 class ModelRunner:
@@ -41,9 +43,14 @@ class ModelRunner:
         max_len: int,
         prefill_chunk: int = 512,
         governor: SpecGovernor | None = None,
+        lookup_ngram: int = 0,
+        lookup_width: int = 0,
     ) -> None:
         self.target, self.draft = target, draft
         self.governor = governor  # None: every decode step of a DFlash request speculates
+        # Prompt lookup (spec/lookup.py) for DFlash requests: a step where every row's context has a match of
+        # at least lookup_ngram tokens verifies the copied continuation, lookup_width rows, without drafting.
+        self.lookup_ngram, self.lookup_width = (lookup_ngram, lookup_width) if draft is not None else (0, 0)
         self.mask_token_id = mask_token_id
         self.max_len, self.prefill_chunk = max_len, prefill_chunk
         self.pool = SlotPool(num_slots)
@@ -60,14 +67,20 @@ class ModelRunner:
         self._draft_head: tuple | None = None  # (argmax_head, draft vocab) it was built for, and its rows
         self.set_block_size(block_size)
 
+    @property
+    def step_width(self) -> int:
+        """The most rows one decode step of a DFlash request writes past its cache length."""
+        return max(self.block_size, self.lookup_width if self.lookup_ngram else 0)
+
     def set_block_size(self, block_size: int) -> None:
         self.block_size = block_size
         if self.draft is None:
             return
-        for model in (self.target, self.draft):
+        target_rows = (block_size, self.lookup_width) if self.lookup_ngram else (block_size,)
+        for model, rows in ((self.target, target_rows), (self.draft, (block_size,))):
             for module in model.modules():
                 if isinstance(module, Linear) and module is not self.target.lm_head:
-                    module.pack_for(block_size)  # batch-1 verify and draft passes: exactly B rows
+                    module.pack_for(rows)  # batch-1 verify and draft passes: exactly B (or lookup-width) rows
 
     def admit(self, seq: Sequence) -> None:
         seq.slot = self.pool.allocate()
@@ -120,7 +133,13 @@ class ModelRunner:
 
     def decode(self, seqs: list[Sequence], use_draft: bool) -> None:
         """One decode step for every sequence: plain, or (use_draft) a DFlash step unless the governor
-        expects a plain step to commit tokens faster."""
+        expects a plain step to commit tokens faster; a prompt-lookup step when every row has a match
+        (it needs no draft pass and accepts far more than the draft there: the governor is not asked)."""
+        if use_draft and self.lookup_ngram:
+            proposals = [lookup(s.prompt_ids + s.output_ids, self.lookup_ngram, self.lookup_width - 1) for s in seqs]
+            if all(proposals):
+                self.lookup_step(seqs, torch.tensor(proposals, device=self.device))
+                return
         speculate = use_draft and (self.governor is None or self.governor.speculate(seqs, self.block_size))
         start = time.perf_counter()
         if speculate:
@@ -186,26 +205,41 @@ class ModelRunner:
     @torch.inference_mode()
     def dflash_step(self, seqs: list[Sequence]) -> None:
         """Draft a block per sequence in one pass, verify all blocks in one target pass, commit."""
-        size = self.block_size
         self.feed_draft_backlog(seqs)
         batch = Batch([s.slot for s in seqs], [s.num_cached for s in seqs])
-        block = torch.full((len(seqs), size), self.mask_token_id, device=self.device)
+        block = torch.full((len(seqs), self.block_size), self.mask_token_id, device=self.device)
         block[:, 0] = torch.tensor([s.pending_token for s in seqs], device=self.device)
-        drafts = self.draft_tokens(seqs, block, batch)
-        candidates = torch.cat([block[:, :1], drafts], dim=1)
-        hidden, features = self.target(candidates, batch, self.target_cache, self.capture)
+        self.verify(seqs, self.draft_tokens(seqs, block, batch), batch, from_draft=True)
+
+    @torch.inference_mode()
+    def lookup_step(self, seqs: list[Sequence], proposals: torch.Tensor) -> None:
+        """Verify each row's prompt-lookup proposals [b, W-1]; the draft is not run (it catches up on the
+        committed positions' features before it next drafts, as after a plain step)."""
+        self.verify(seqs, proposals, Batch([s.slot for s in seqs], [s.num_cached for s in seqs]), from_draft=False)
+        if max(len(s.unfed_features) for s in seqs) >= self.MAX_UNFED:
+            self.feed_draft_backlog(seqs)
+
+    def verify(self, seqs: list[Sequence], proposals: torch.Tensor, batch: Batch, from_draft: bool) -> None:
+        """One causal target pass over [pending, proposals...] per row, acceptance, commit."""
+        pending = torch.tensor([[s.pending_token] for s in seqs], device=self.device)
+        hidden, features = self.target(torch.cat([pending, proposals], dim=1), batch, self.target_cache, self.capture)
         outputs = self.target_outputs(seqs, hidden)
-        # Context K/V for all B rows: rows past a sequence's commit point are overwritten by the next
-        # draft block (which starts right after the commit) before anything attends to them.
-        self.draft.inject(features, batch, self.draft_cache)
+        if from_draft:
+            # Context K/V for all rows: rows past a sequence's commit point are overwritten by the next
+            # draft block (which starts right after the commit) before anything attends to them.
+            self.draft.inject(features, batch, self.draft_cache)
         for row, seq in enumerate(seqs):
             if seq.params.greedy:
-                accepted, bonus = greedy_accept(drafts[row], outputs[row])
+                accepted, bonus = greedy_accept(proposals[row], outputs[row])
             else:
-                accepted, bonus = sampled_accept(drafts[row], outputs[row], seq.params, seq.generator)
+                accepted, bonus = sampled_accept(proposals[row], outputs[row], seq.params, seq.generator)
             seq.num_cached += accepted + 1
-            seq.accept_lengths.append(accepted + 1)
-            seq.emit(drafts[row, :accepted].tolist() + [bonus])
+            if from_draft:
+                seq.accept_lengths.append(accepted + 1)
+            else:
+                seq.lookup_accept_lengths.append(accepted + 1)
+                seq.unfed_features.extend(features[row, : accepted + 1].unbind(0))
+            seq.emit(proposals[row, :accepted].tolist() + [bonus])
 
     @torch.inference_mode()
     def prefill_batch(self, seqs: list[Sequence], chunks: list[list[int]], use_draft: bool) -> torch.Tensor:

@@ -54,7 +54,7 @@ class Scheduler:
         if use_draft and runner.draft is None:
             raise RequestError("DFLASH decoding was requested but the runner has no draft model.")
         self.runner, self.use_draft = runner, use_draft
-        self.width = runner.block_size if use_draft else 1
+        self.width = runner.step_width if use_draft else 1
         capacity = runner.pool.num_slots * runner.max_len
         if max_total_tokens is not None and (
             isinstance(max_total_tokens, bool) or not isinstance(max_total_tokens, int) or max_total_tokens < 1

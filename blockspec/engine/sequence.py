@@ -25,6 +25,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)  # per verify step (plain decoding: 1 per step)
     plain_steps: int = 0  # plain decode steps taken by a DFlash request (adaptive speculation)
+    lookup_accept_lengths: list[int] = field(default_factory=list)  # per prompt-lookup step (spec/lookup.py)
     tau_estimate: float | None = None  # moving average of its accept lengths (adaptive speculation)
     # Target features [K*H] of the last positions (num_cached - len .. num_cached - 1) that plain steps
     # captured but did not yet inject into the draft's cache: injected in one pass when it next drafts.

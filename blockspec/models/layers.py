@@ -39,20 +39,23 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(in_features, self.out_features).t())
         self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
 
-    def pack_for(self, rows: int | None) -> None:
-        """Keep a second copy of the fp32 weight laid out for inputs of exactly `rows` rows (None: drop it);
-        DFlash's verify and draft passes always have B rows at batch 1. Measured at SmolLM2's shapes on a
-        2-core CPU: for 2 rows a row-major copy (MKL's NT GEMM, which streams the weight like a GEMV) is the
-        fastest; for more rows an MKL-packed copy (no re-packing per call: 1.3x faster than the plain GEMM
-        at 4 rows, 1.6x at 8). Costs a copy of the weight, taken now: pack after the weights are final."""
-        self.fast = None
-        if rows is None or rows < 2 or self.weight.dtype != torch.float32 or self.weight.device.type != "cpu":
+    def pack_for(self, rows: int | tuple[int, ...] | None) -> None:
+        """Keep a copy of the fp32 weight laid out for inputs of exactly `rows` rows, one per count given
+        (None or (): drop them); DFlash's verify and draft passes have B rows at batch 1, a prompt-lookup
+        step its own width. Measured at SmolLM2's shapes on a 2-core CPU: for 2 rows a row-major copy
+        (MKL's NT GEMM, which streams the weight like a GEMV) is the fastest; for more rows an MKL-packed
+        copy (no re-packing per call: 1.3x faster than the plain GEMM at 4 rows, 1.6x at 8). Costs a copy
+        of the weight per row count, taken now: pack after the weights are final."""
+        self.fast = {}
+        counts = () if rows is None else (rows,) if isinstance(rows, int) else tuple(rows)
+        if not counts or self.weight.dtype != torch.float32 or self.weight.device.type != "cpu":
             return
         row_major = self.weight.detach().contiguous()
-        if rows == 2:
-            self.fast = (rows, row_major, None)
-        elif torch.backends.mkl.is_available():
-            self.fast = (rows, self.weight, torch.ops.mkl._mkl_reorder_linear_weight(row_major, rows))
+        for n in sorted(set(counts)):
+            if n == 2:
+                self.fast[n] = (row_major, None)
+            elif n > 2 and torch.backends.mkl.is_available():
+                self.fast[n] = (self.weight, torch.ops.mkl._mkl_reorder_linear_weight(row_major, n))
 
     def shard_slice(self, index: int) -> slice:
         start = sum(self.shards[:index])
@@ -60,8 +63,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fast = self.__dict__.get("fast")
-        if fast is not None and x.numel() == fast[0] * x.shape[-1]:
-            rows, weight, packed = fast
+        layout = fast.get(rows := x.numel() // x.shape[-1]) if fast else None
+        if layout is not None:
+            weight, packed = layout
             flat = x.reshape(rows, -1)
             if packed is None:
                 out = F.linear(flat, weight, self.bias)

@@ -147,7 +147,7 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
             raise APIError(400, str(exc), param="messages" if chat else "prompt", code=code) from exc
 
     def final(out: Output) -> dict:
-        return extension(out.accept_lengths, algorithm, block_size, out.plain_steps)
+        return extension(out.accept_lengths, algorithm, block_size, out.plain_steps, out.lookup_accept_lengths)
 
     async def stream(seq: Sequence, outputs: asyncio.Queue, parsed: ParsedRequest, chat: bool, rid: str,
                      created: int) -> AsyncIterator[str]:

@@ -34,6 +34,7 @@ class Output:
     finish_reason: str | None = None
     accept_lengths: list[int] = field(default_factory=list)  # on the last update only
     plain_steps: int = 0  # on the last update only
+    lookup_accept_lengths: list[int] = field(default_factory=list)  # on the last update only
     error: str | None = None
 
 
@@ -167,7 +168,8 @@ class AsyncEngine:
         if text or reason is not None:
             final = reason is not None
             self._post(tracked, Output(text, len(seq.output_ids), reason,
-                                       list(seq.accept_lengths) if final else [], seq.plain_steps if final else 0))
+                                       list(seq.accept_lengths) if final else [], seq.plain_steps if final else 0,
+                                       list(seq.lookup_accept_lengths) if final else []))
         if reason is not None:
             self._tracked.pop(seq.seq_id, None)
             self._done(seq, reason)

@@ -1,0 +1,49 @@
+"""Prompt lookup: proposals copied from the request's own context, verified like a draft block.
+
+The target's answers often repeat their context: code that restates the prompt's signature and docstring,
+names and phrases used before. Measured on SmolLM2's greedy 128-token answers (session 10, 20 prompts
+each), 48% of humaneval positions end a 4-gram that occurs earlier; there the continuation that followed it
+is right 85% of the time, while the shipped 3-layer draft gets 49% of them (mt-bench: 82% vs 37%). The
+draft does not learn to copy, so when the context has a match the engine proposes the copy instead.
+
+`lookup(tokens, min_ngram, count)` finds the latest earlier occurrence of the longest n-gram
+(min_ngram <= n <= MAX_NGRAM) that ends the sequence and returns the `count` tokens that followed it; a
+match close to the end continues periodically (its own proposals extend the source), so a repeating
+pattern yields a full block. Verification is unchanged, so the output stays exactly the target's: a
+proposal is a deterministic token like the draft's argmax (greedy: kept while it equals the target's
+choice; sampled: kept with probability p(d)).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MAX_NGRAM = 8  # longer matches are tried first: the longer the match, the likelier the copy is right
+
+
+def lookup(tokens: list[int] | np.ndarray, min_ngram: int, count: int) -> list[int]:
+    """`count` proposed next tokens after `tokens` (whose last entry is the pending token), or [] when no
+    n-gram of at least `min_ngram` tokens ending there occurred before."""
+    seq = np.asarray(tokens, dtype=np.int64)
+    last = seq.shape[0] - 1
+    if min_ngram < 1 or count < 1 or last < min_ngram:
+        return []
+    starts = np.flatnonzero(seq[:last] == seq[last])  # candidate match ends j < last with seq[j] == seq[last]
+    if starts.size == 0:
+        return []
+    length = np.ones(starts.size, dtype=np.int64)  # matched n-gram length ending at each candidate
+    alive = np.ones(starts.size, dtype=bool)
+    for k in range(1, min(MAX_NGRAM, last + 1)):
+        alive &= starts >= k
+        alive[alive] = seq[starts[alive] - k] == seq[last - k]
+        if not alive.any():
+            break
+        length += alive
+    best = length.max()
+    if best < min_ngram:
+        return []
+    j = int(starts[np.flatnonzero(length == best)[-1]])  # the latest of the longest matches
+    source = seq[j + 1 :].tolist()  # what followed the match, up to and including the pending token
+    while len(source) < count:  # the match overlaps the end: the pattern repeats with period last - j
+        source.append(source[len(source) - (last - j)])
+    return source[:count]
