@@ -245,6 +245,9 @@ def test_32_concurrent_streams_get_exactly_their_tokens(server, ref):
     assert got == want
     assert counter(server, "blockspec_preemptions_total") > preempted_before  # the tiny budget forced preemption
     assert counter(server, "blockspec_plain_decode_steps_total") == 0  # adaptive speculation is off here
+    # prompt lookup is on (the default): its steps are counted apart, each committing 1..W tokens
+    steps, tokens = counter(server, "blockspec_lookup_steps_total"), counter(server, "blockspec_lookup_tokens_total")
+    assert steps <= tokens <= 4 * steps
     state = health(server)
     assert state["kv_tokens_used"] == 0 and state["kv_slots_free"] == state["kv_slots_total"]
 

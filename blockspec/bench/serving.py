@@ -52,11 +52,14 @@ def closed_loop(llm, prompts: list[list[int]], params: SamplingParams, concurren
     elapsed = time.perf_counter() - start
     tokens = sum(len(s.output_ids) for s in seqs)
     accepts = [a for s in seqs for a in s.accept_lengths]
+    lookups = [a for s in seqs for a in s.lookup_accept_lengths]
     row = {
         "method": "DFLASH" if use_draft else "NONE", "concurrency": concurrency, "num_requests": len(seqs),
         "output_tokens": tokens, "wall_s": round(elapsed, 3), "output_tokens_per_s": round(tokens / elapsed, 2),
         "mean_accept_length": round(sum(accepts) / len(accepts), 3) if use_draft and accepts else None,
         "plain_steps": sum(s.plain_steps for s in seqs),  # adaptive speculation's (row-)steps without a draft
+        "lookup_steps": len(lookups),  # prompt-lookup (row-)steps, not in mean_accept_length
+        "lookup_mean_accept_length": round(sum(lookups) / len(lookups), 3) if lookups else None,
         "mean_ttft_s": round(sum(s.first_token_time - s.arrival_time for s in seqs) / len(seqs), 3),
         "mean_latency_s": round(sum(s.finish_time - s.arrival_time for s in seqs) / len(seqs), 3),
         "steps": steps, "preemptions": scheduler.num_preemptions,

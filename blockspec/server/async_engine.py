@@ -177,7 +177,8 @@ class AsyncEngine:
 
     def _done(self, seq: Sequence, reason: str) -> None:
         ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
-        self.metrics.request_done(reason, len(seq.prompt_ids), len(seq.output_ids), ttft, seq.plain_steps)
+        self.metrics.request_done(reason, len(seq.prompt_ids), len(seq.output_ids), ttft, seq.plain_steps,
+                                  seq.lookup_accept_lengths)
 
     def _post(self, tracked: _Tracked, output: Output) -> None:
         try:

@@ -54,6 +54,8 @@ class Metrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.plain_steps = 0
+        self.lookup_steps = 0
+        self.lookup_tokens = 0
         self.preemptions = 0
         self.accept_length = Histogram(
             "blockspec_accept_length", "Tokens committed per verify step (tau, bonus included)",
@@ -64,12 +66,14 @@ class Metrics:
         self.gauges: dict[str, float] = {}
 
     def request_done(self, reason: str, prompt_tokens: int, output_tokens: int, ttft: float | None,
-                     plain_steps: int = 0) -> None:
+                     plain_steps: int = 0, lookup_accept_lengths: list[int] | None = None) -> None:
         with self._lock:
             self.requests[reason] = self.requests.get(reason, 0) + 1
             self.prompt_tokens += prompt_tokens
             self.generation_tokens += output_tokens
             self.plain_steps += plain_steps
+            self.lookup_steps += len(lookup_accept_lengths or [])
+            self.lookup_tokens += sum(lookup_accept_lengths or [])
             if ttft is not None:
                 self.ttft.observe(ttft)
 
@@ -102,6 +106,10 @@ class Metrics:
                 ("blockspec_generation_tokens_total", self.generation_tokens, "Output tokens of finished requests"),
                 ("blockspec_plain_decode_steps_total", self.plain_steps,
                  "Plain decode steps adaptive speculation took for DFlash requests, finished requests"),
+                ("blockspec_lookup_steps_total", self.lookup_steps,
+                 "Prompt-lookup verify steps of DFlash requests (not in blockspec_accept_length), finished requests"),
+                ("blockspec_lookup_tokens_total", self.lookup_tokens,
+                 "Tokens committed by prompt-lookup steps (bonus included), finished requests"),
             ):
                 lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {value}"]
             for name, value in sorted(self.gauges.items()):
