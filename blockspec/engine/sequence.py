@@ -23,7 +23,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     slot: int = -1
     output_ids: list[int] = field(default_factory=list)
-    accept_lengths: list[int] = field(default_factory=list)  # per verify step (plain decoding: 1 per step)
+    accept_lengths: list[int] = field(default_factory=list)  # per DFlash verify step (plain decoding: 1 per step)
     plain_steps: int = 0  # plain decode steps taken by a DFlash request (adaptive speculation)
     lookup_accept_lengths: list[int] = field(default_factory=list)  # per prompt-lookup step (spec/lookup.py)
     tau_estimate: float | None = None  # moving average of its accept lengths (adaptive speculation)
