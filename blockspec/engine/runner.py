@@ -136,8 +136,12 @@ class ModelRunner:
         expects a plain step to commit tokens faster; a prompt-lookup step when every row has a match
         (it needs no draft pass and accepts far more than the draft there: the governor is not asked)."""
         if use_draft and self.lookup_ngram:
-            proposals = [lookup(s.prompt_ids + s.output_ids, self.lookup_ngram, self.lookup_width - 1) for s in seqs]
-            if all(proposals):
+            proposals = []
+            for seq in seqs:  # stops at the first row without a match: then no lookup step
+                if not (copy := lookup(seq.prompt_ids + seq.output_ids, self.lookup_ngram, self.lookup_width - 1)):
+                    break
+                proposals.append(copy)
+            if len(proposals) == len(seqs):
                 self.lookup_step(seqs, torch.tensor(proposals, device=self.device))
                 return
         speculate = use_draft and (self.governor is None or self.governor.speculate(seqs, self.block_size))
