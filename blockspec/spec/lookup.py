@@ -28,22 +28,22 @@ def lookup(tokens: list[int] | np.ndarray, min_ngram: int, count: int) -> list[i
     last = seq.shape[0] - 1
     if min_ngram < 1 or count < 1 or last < min_ngram:
         return []
-    starts = np.flatnonzero(seq[:last] == seq[last])  # candidate match ends j < last with seq[j] == seq[last]
-    if starts.size == 0:
+    ends = np.flatnonzero(seq[:last] == seq[last])  # candidate match ends j < last with seq[j] == seq[last]
+    if ends.size == 0:
         return []
-    length = np.ones(starts.size, dtype=np.int64)  # matched n-gram length ending at each candidate
-    alive = np.ones(starts.size, dtype=bool)
+    length = np.ones(ends.size, dtype=np.int64)  # matched n-gram length ending at each candidate
+    alive = np.ones(ends.size, dtype=bool)
     for k in range(1, min(MAX_NGRAM, last + 1)):
-        alive &= starts >= k
-        alive[alive] = seq[starts[alive] - k] == seq[last - k]
+        alive &= ends >= k
+        alive[alive] = seq[ends[alive] - k] == seq[last - k]
         if not alive.any():
             break
         length += alive
     best = length.max()
     if best < min_ngram:
         return []
-    j = int(starts[np.flatnonzero(length == best)[-1]])  # the latest of the longest matches
-    source = seq[j + 1 :].tolist()  # what followed the match, up to and including the pending token
+    j = int(ends[np.flatnonzero(length == best)[-1]])  # the latest of the longest matches
+    source = seq[j + 1 : j + 1 + count].tolist()  # what followed the match (at most up to the pending token)
     while len(source) < count:  # the match overlaps the end: the pattern repeats with period last - j
         source.append(source[len(source) - (last - j)])
-    return source[:count]
+    return source
