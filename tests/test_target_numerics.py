@@ -36,6 +36,7 @@ def test_logits_and_hidden_match_transformers(tmp_path, family, overrides):
         capture = (2, 0, 3)  # unsorted, and the last layer (taken after the final norm)
         for chunks in [(None,), (40, 41, 100)]:  # one pass, and chunked prefill + single-token steps
             logits, feats = run_ours(ours, ids, capture, chunks)
-            assert (logits - out.logits).abs().max() < 1e-4
+            # fp32 rounding differs by CPU kernel (SIMD width); hidden states reach ~10 in magnitude.
+            torch.testing.assert_close(logits, out.logits, rtol=1e-4, atol=1e-4)
             expected = torch.cat([out.hidden_states[i + 1] for i in capture], dim=-1)
-            assert (feats - expected).abs().max() < 1e-4
+            torch.testing.assert_close(feats, expected, rtol=1e-4, atol=1e-4)
