@@ -1,5 +1,7 @@
 """CPU fast paths that must not change results: the int8 argmax head (exactly the fp32 argmax, ties to
-the lowest id) and the MKL-packed Linear."""
+the lowest id) and the Linear weight layouts (and their tuning)."""
+
+import time
 
 import pytest
 import torch
@@ -46,27 +48,67 @@ def test_unsupported_width_is_refused():
         Int8ArgmaxHead(torch.zeros(10, 8))
 
 
-@pytest.mark.parametrize("rows", [2, 4])
-def test_packed_linear_matches_and_falls_back(rows):
-    """Linear.pack_for: weight copies laid out for exactly the given row counts (row-major for 2, MKL-packed
-    for more); other row counts use F.linear on the stored weight."""
-    from blockspec.models.layers import Linear
+@pytest.mark.parametrize("layout", ["nn", "nt", "wx", "packed"])
+def test_linear_layouts_match_and_fall_back(layout):
+    """Linear.set_layouts: each layout computes the same product for its row counts (key 0: any other count
+    of 2..SMALL_ROWS rows); one row, and counts above SMALL_ROWS, use F.linear on the stored weight."""
+    from blockspec.models.layers import SMALL_ROWS, Linear
 
-    if rows > 2 and not torch.backends.mkl.is_available():
+    if layout == "packed" and not torch.backends.mkl.is_available():
         pytest.skip("no MKL")
     torch.manual_seed(0)
     layer = Linear(64, [48, 16], bias=True)
     with torch.no_grad():
         layer.weight.normal_()
         layer.bias.normal_()
-    x = torch.randn(1, rows, 64)
-    plain = layer(x)
-    layer.pack_for((rows, 3))  # several row counts: a DFlash block and a prompt-lookup block
-    assert set(layer.fast) == {rows, 3}
-    torch.testing.assert_close(layer(x), plain, rtol=1e-5, atol=1e-5)
-    x3 = torch.randn(1, 3, 64)
-    torch.testing.assert_close(layer(x3), torch.nn.functional.linear(x3, layer.weight, layer.bias), rtol=1e-5,
-                               atol=1e-5)
-    assert torch.equal(layer(x[:, :1]), torch.nn.functional.linear(x[:, :1], layer.weight, layer.bias))
-    layer.pack_for(None)
+    inputs = {rows: torch.randn(1, rows, 64) for rows in (1, 2, 3, 4, 7, SMALL_ROWS + 1)}
+    expected = {rows: torch.nn.functional.linear(x, layer.weight, layer.bias) for rows, x in inputs.items()}
+    layer.set_layouts({4: layout, 2: layout, 0: "wx" if layout == "packed" else layout})
+    assert set(layer.fast) == {0, 2, 4}
+    for rows, x in inputs.items():
+        torch.testing.assert_close(layer(x), expected[rows], rtol=1e-5, atol=1e-5)
+    for rows in (1, SMALL_ROWS + 1):
+        assert torch.equal(layer(inputs[rows]), expected[rows])
+    layer.set_layouts(None)
     assert layer.fast == {}
+    with pytest.raises(ValueError, match="unknown layout 'tn'"):
+        layer.set_layouts({2: "tn"})
+
+
+def test_linear_layouts_without_copies_keep_a_column_major_weight():
+    """copies=False (a tied LM head): a row-major weight takes every layout as itself; a column-major one
+    keeps the stored layout rather than copy it."""
+    from blockspec.models.layers import Linear
+
+    tied = Linear.of(torch.randn(32, 16))
+    tied.set_layouts({0: "wx"}, copies=False)
+    assert tied.fast[0][1].data_ptr() == tied.weight.data_ptr()  # no copy
+    stored = Linear(16, 32)
+    stored.set_layouts({0: "wx"}, copies=False)
+    assert stored.fast == {}
+
+
+def test_tuned_plan_is_measured_once_per_machine(tmp_path, monkeypatch):
+    """tune_layouts times each candidate with run(rows), keeps the fastest, saves it under $BLOCKSPEC_HOME and
+    reuses it without timing again; a corrupt file is measured again."""
+    from blockspec.engine import layout_tuning
+    from blockspec.models.layers import Linear
+
+    monkeypatch.setenv("BLOCKSPEC_HOME", str(tmp_path))
+    layers = [Linear(16, 32), Linear(32, 16)]
+    current = {}
+
+    def run(rows):  # "wx" is the fast one at every count
+        current.setdefault(rows, []).append(layers[0].fast.get(rows, layers[0].fast.get(0, ("nn",)))[0])
+        if current[rows][-1] != "wx":
+            time.sleep(0.002)
+
+    plan = layout_tuning.tune_layouts(layers, [], run, (2, 4))
+    assert plan == {2: "wx", 4: "wx", 0: "wx"}
+    assert layers[1].fast[2][0] == "wx" and layers[1].fast[0][0] == "wx"
+    calls = sum(map(len, current.values()))
+    assert layout_tuning.tune_layouts(layers, [], run, (2, 4)) == plan
+    assert sum(map(len, current.values())) == calls  # read back, not timed again
+    (tmp_path / layout_tuning.PLANS_FILE).write_text("{not json")
+    assert layout_tuning.tune_layouts(layers, [], run, (2, 4)) == plan
+    assert sum(map(len, current.values())) > calls

@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 
 from blockspec.engine.kv_cache import Batch, SlotPool
 from blockspec.engine.sampler import next_token
@@ -24,6 +23,7 @@ from blockspec.spec.accept import greedy_accept, sampled_accept
 from blockspec.device import has_fast_bf16
 from blockspec.spec.governor import SpecGovernor
 from blockspec.spec.lookup import lookup
+from blockspec.engine.layout_tuning import DEFAULT_PROBE_ROWS, tune_layouts
 
 
 class ModelRunner:
@@ -65,6 +65,7 @@ class ModelRunner:
         fast = fast and Int8ArgmaxHead.supports(head)
         self.argmax_head = Int8ArgmaxHead(head) if fast else None
         self._draft_head: tuple | None = None  # (argmax_head, draft vocab) it was built for, and its rows
+        self.layout_plan: dict[int, str] = {}  # rows -> Linear layout (layout_tuning.py); {}: stored everywhere
         self.set_block_size(block_size)
 
     @property
@@ -74,13 +75,33 @@ class ModelRunner:
 
     def set_block_size(self, block_size: int) -> None:
         self.block_size = block_size
-        if self.draft is None:
+        self.tune_layouts()
+
+    def tune_layouts(self) -> None:
+        """Time and set the fp32 CPU weight layouts for the row counts decode steps run (layout_tuning.py):
+        batch-1 verify passes of B (and lookup-width) rows, draft passes of B rows, and batches of either."""
+        if self.device.type != "cpu" or self.target.embed_tokens.weight.dtype != torch.float32:
             return
-        target_rows = (block_size, self.lookup_width) if self.lookup_ngram else (block_size,)
-        for model, rows in ((self.target, target_rows), (self.draft, (block_size,))):
-            for module in model.modules():
-                if isinstance(module, Linear) and module is not self.target.lm_head:
-                    module.pack_for(rows)  # batch-1 verify and draft passes: exactly B (or lookup-width) rows
+        counts = (self.block_size, self.lookup_width) if self.draft is not None else ()
+        position = min(256, self.max_len - max((DEFAULT_PROBE_ROWS, *counts)))  # a typical context length
+        if self.pool.num_free == 0 or position < 0:
+            return  # no free scratch slot to time in (set_block_size mid-generation): keep the last plan
+        slot = self.pool.allocate()
+        capture = self.capture
+
+        def run(rows: int) -> None:
+            ids = torch.randint(0, self.target.embed_tokens.weight.shape[0], (1, rows), device=self.device)
+            hidden, _ = self.target(ids, Batch([slot], [position]), self.target_cache, capture)
+            self.greedy_tokens(hidden)
+
+        linears = [m for model in (self.target, self.draft) if model is not None
+                   for m in model.modules() if isinstance(m, Linear) and m is not self.target.lm_head]
+        try:
+            with torch.inference_mode():
+                self.layout_plan = tune_layouts(linears, [self.target.lm_head], run, counts)
+            self._draft_head = None  # rebuilt in the new layouts when next drafted
+        finally:
+            self.pool.free(slot)
 
     def admit(self, seq: Sequence) -> None:
         seq.slot = self.pool.allocate()
@@ -112,12 +133,7 @@ class ModelRunner:
         sampled = [row for row, s in enumerate(seqs) if not s.params.greedy]
         out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
         if greedy:
-            normed = self.target.norm(hidden[greedy])
-            if self.argmax_head is not None:
-                flat = self.argmax_head.argmax(normed.reshape(-1, normed.shape[-1]))
-                choices = flat.view(normed.shape[:-1])
-            else:
-                choices = self.target.lm_head(normed).argmax(dim=-1)
+            choices = self.greedy_tokens(hidden[greedy])
             for i, row in enumerate(greedy):
                 out[row] = choices[i]
         if sampled:
@@ -125,6 +141,13 @@ class ModelRunner:
             for i, row in enumerate(sampled):
                 out[row] = logits[i]
         return out
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's greedy token ids [...] for hidden states [..., H] (last layer, before the final norm)."""
+        normed = self.target.norm(hidden)
+        if self.argmax_head is None:
+            return self.target.lm_head(normed).argmax(dim=-1)
+        return self.argmax_head.argmax(normed.reshape(-1, normed.shape[-1])).view(normed.shape[:-1])
 
     def emit_next(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         """Emit one token per sequence from the hidden state [b, H] of its last position."""
@@ -193,11 +216,14 @@ class ModelRunner:
         head, vocab = self.argmax_head, self.draft.vocab
         built = self._draft_head
         if built is None or built[0] is not head or built[1] is not vocab:  # built once per head and vocab
-            rows = self.target.lm_head.weight if head is None else head
-            if vocab is not None:
-                rows = rows[vocab] if head is None else head.rows(vocab)
+            if head is None:  # a Linear over the head's rows, to run in the tuned layout
+                rows = self.target.lm_head.weight if vocab is None else self.target.lm_head.weight[vocab]
+                rows = Linear.of(rows.detach().contiguous())
+                rows.set_layouts(self.layout_plan, copies=False)
+            else:
+                rows = head if vocab is None else head.rows(vocab)
             self._draft_head = built = (head, vocab, rows)
-        return F.linear(hidden, built[2]) if head is None else built[2].scores(hidden)
+        return built[2](hidden) if head is None else built[2].scores(hidden)
 
     def draft_tokens(self, seqs: list[Sequence], block: torch.Tensor, batch: Batch) -> torch.Tensor:
         """The draft's proposals [b, B-1] for blocks [bonus, MASK...]: argmax of the target's LM head."""

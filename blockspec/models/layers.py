@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 Parallel = Literal["column", "row", "replicated"]
+SMALL_ROWS = 64  # a layout planned for "any other row count" (key 0) serves 2..SMALL_ROWS rows: decode and verify batches
 
 
 class Linear(nn.Module):
@@ -39,23 +40,47 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(in_features, self.out_features).t())
         self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
 
-    def pack_for(self, rows: int | tuple[int, ...] | None) -> None:
-        """Keep a copy of the fp32 weight laid out for inputs of exactly `rows` rows, one per count given
-        (None or (): drop them); DFlash's verify and draft passes have B rows at batch 1, a prompt-lookup
-        step its own width. Measured at SmolLM2's shapes on a 2-core CPU: for 2 rows a row-major copy
-        (MKL's NT GEMM, which streams the weight like a GEMV) is the fastest; for more rows an MKL-packed
-        copy (no re-packing per call: 1.3x faster than the plain GEMM at 4 rows, 1.6x at 8). Costs a copy
-        of the weight per row count, taken now: pack after the weights are final."""
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> Linear:
+        """A bias-free Linear over an existing [out, in] weight (no copy)."""
+        layer = cls(weight.shape[1], weight.shape[0])
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        return layer
+
+    def set_layouts(self, plan: dict[int, str] | None, copies: bool = True) -> None:
+        """Lay the fp32 CPU weight out for the row counts of `plan` (rows -> layout; key 0: every other count
+        from 2 to SMALL_ROWS rows); None or {}: the stored weight for every input. Layouts:
+          "nn"     the stored column-major weight, F.linear as an NN GEMM (the default everywhere);
+          "nt"     a row-major copy, F.linear as an NT GEMM (MKL streams it like a GEMV on some CPUs);
+          "wx"     a row-major copy, computed as W x^T: the weight is the GEMM's big left operand;
+          "packed" an MKL-packed copy for exactly that row count (no re-packing per call).
+        Which is fastest depends on the CPU (engine/layout_tuning.py measures it). copies=False takes only
+        the layouts that need no copy (a tied LM head: its row-major weight is the embedding itself).
+        Costs one row-major copy if any layout needs it, plus one per packed count: pack after the weights
+        are final."""
+        old = self.__dict__.get("fast") or {}  # copies already made are reused (tuning switches plans often)
+        row_major = next((w for kind, w, _ in old.values() if kind != "nn"), None)
+        packs = {rows: p for rows, (kind, _, p) in old.items() if kind == "packed"}
         self.fast = {}
-        counts = () if rows is None else (rows,) if isinstance(rows, int) else tuple(rows)
-        if not counts or self.weight.dtype != torch.float32 or self.weight.device.type != "cpu":
+        if not plan or self.weight.dtype != torch.float32 or self.weight.device.type != "cpu":
             return
-        row_major = self.weight.detach().contiguous()
-        for n in sorted(set(counts)):
-            if n == 2:
-                self.fast[n] = (row_major, None)
-            elif n > 2 and torch.backends.mkl.is_available():
-                self.fast[n] = (self.weight, torch.ops.mkl._mkl_reorder_linear_weight(row_major, n))
+        for rows, layout in sorted(plan.items()):
+            if layout not in ("nn", "nt", "wx", "packed"):
+                raise ValueError(f"Linear.set_layouts: unknown layout {layout!r} for {rows} rows; "
+                                 "use nn, nt, wx or packed.")
+            if layout == "packed" and (rows < 2 or not torch.backends.mkl.is_available()):
+                layout = "nn"
+            if layout != "nn" and row_major is None:
+                row_major = self.weight.detach().contiguous()
+                if not copies and row_major.data_ptr() != self.weight.data_ptr():
+                    self.fast = {}
+                    return
+            weight = self.weight if layout == "nn" else row_major
+            packed = None
+            if layout == "packed":
+                packed = packs.get(rows)
+                packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows) if packed is None else packed
+            self.fast[rows] = (layout, weight, packed)
 
     def shard_slice(self, index: int) -> slice:
         start = sum(self.shards[:index])
@@ -63,15 +88,20 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fast = self.__dict__.get("fast")
-        layout = fast.get(rows := x.numel() // x.shape[-1]) if fast else None
-        if layout is not None:
-            weight, packed = layout
-            flat = x.reshape(rows, -1)
-            if packed is None:
-                out = F.linear(flat, weight, self.bias)
-            else:
-                out = torch.ops.mkl._mkl_linear(flat, packed, weight, self.bias, rows)
-            return out.view(*x.shape[:-1], self.out_features)
+        if fast:
+            rows = x.numel() // x.shape[-1]
+            layout = fast.get(rows, fast.get(0) if 1 < rows <= SMALL_ROWS else None)
+            if layout is not None:
+                kind, weight, packed = layout
+                flat = x.reshape(rows, -1)
+                if kind == "wx":
+                    out = (torch.mm(weight, flat.t()) if self.bias is None
+                           else torch.addmm(self.bias.unsqueeze(1), weight, flat.t())).t().contiguous()
+                elif kind == "packed":
+                    out = torch.ops.mkl._mkl_linear(flat, packed, weight, self.bias, rows)
+                else:
+                    out = F.linear(flat, weight, self.bias)
+                return out.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -1,0 +1,93 @@
+"""Pick each fp32 CPU weight layout by timing the real model (`Linear.set_layouts`).
+
+A decode step multiplies one row by each weight (a GEMV); a verify step multiplies the B rows of a
+block, a batch of requests b or b*B rows. For those few rows the fastest GEMM form depends on the CPU
+and its BLAS: on the Intel Xeon (AVX-512, bf16) of sessions 1-10 MKL's NT form streamed the weight for
+2 rows and an MKL-packed copy won for 4; on a 2-core AMD EPYC (AVX2) those two cost 2.0x and 2.4x a
+one-row step while W x^T (the weight as the GEMM's big left operand) cost 1.05x (SmolLM2 body,
+scripts/verify_rows_bench.py). No fixed rule is right on both, so the runner measures: a few target
+passes of each candidate at each row count it will run, the fastest kept. Output tokens don't depend on
+the choice beyond fp32 rounding (as with any kernel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from blockspec.models.default_model import blockspec_home
+from blockspec.models.layers import Linear
+
+CANDIDATES = ("nn", "nt", "wx", "packed")  # "packed" only for an exact row count
+DEFAULT_PROBE_ROWS = 16  # key 0 (every other 2..SMALL_ROWS-row input) is chosen by timing this many rows
+PLANS_FILE = "layouts.json"  # under $BLOCKSPEC_HOME: measured once per CPU, thread count and model shape
+
+
+def apply_plan(linears: list[Linear], tied_heads: list[Linear], plan: dict[int, str] | None) -> None:
+    for module in linears:
+        module.set_layouts(plan)
+    for module in tied_heads:  # no copy of a 100 MB head: only the layouts its stored weight allows
+        module.set_layouts(plan, copies=False)
+
+
+def plan_key(linears: list[Linear], counts: tuple[int, ...]) -> str:
+    """What a measured plan holds for: the CPU, the thread count, torch, the weight shapes, the row counts."""
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                   cpu)
+    shapes = hashlib.sha256(repr([(m.in_features, m.out_features) for m in linears]).encode()).hexdigest()[:16]
+    return f"{cpu}|threads={torch.get_num_threads()}|torch={torch.__version__}|shapes={shapes}|rows={sorted(set(counts))}"
+
+
+def read_plans(path: Path) -> dict[str, dict[int, str]]:
+    """Saved plans; none if the file is missing or unreadable (then they are measured again)."""
+    try:
+        raw = json.loads(path.read_text())
+        return {key: {int(rows): layout for rows, layout in plan.items() if layout in CANDIDATES}
+                for key, plan in raw.items()}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+
+
+def tune_layouts(linears: list[Linear], tied_heads: list[Linear], run: Callable[[int], None],
+                 counts: tuple[int, ...], reps: int = 2) -> dict[int, str]:
+    """The fastest layout per row count in `counts` (>= 2) and for every other small count (key 0), measured
+    with run(rows) (one pass of `rows` rows through the model) unless this machine measured it before; the
+    plan is applied to the modules. Delete $BLOCKSPEC_HOME/layouts.json to measure again."""
+    key = plan_key(linears + tied_heads, counts)
+    path = blockspec_home() / PLANS_FILE
+    saved = read_plans(path)
+    plan = saved.get(key)
+    if plan is None:
+        apply_plan(linears, tied_heads, None)  # fresh copies of the current weights
+        plan = {}
+        for rows in [*sorted({c for c in counts if c >= 2}), 0]:
+            seconds = {}
+            for layout in CANDIDATES if rows else CANDIDATES[:-1]:
+                apply_plan(linears, tied_heads, {**plan, rows: layout})
+                run(rows or DEFAULT_PROBE_ROWS)  # warm-up: first touch of the copies, MKL's own set-up
+                times = []
+                for _ in range(reps):
+                    start = time.perf_counter()
+                    run(rows or DEFAULT_PROBE_ROWS)
+                    times.append(time.perf_counter() - start)
+                seconds[layout] = statistics.median(times)
+            plan[rows] = min(seconds, key=seconds.get)
+        saved[key] = plan
+        with contextlib.suppress(OSError):  # a read-only home only costs the next process a re-measure
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps(saved, indent=1))
+            partial.replace(path)
+    apply_plan(linears, tied_heads, plan)
+    return dict(plan)
