@@ -52,6 +52,17 @@ def test_costs_are_per_block_and_batch_size_and_new_requests_start_from_the_aver
     assert newcomer[0].tau_estimate is None and not gov.speculate(newcomer, 4)  # prior: tau 1 so far
 
 
+def test_a_first_unlucky_block_moves_a_request_from_the_prior_not_to_its_sample():
+    gov = SpecGovernor(tau_alpha=0.1)
+    veteran, newcomer = seqs(1), seqs(1)
+    for _ in range(30):
+        spec_step(gov, veteran, [3], seconds=0.12)
+    gov.record(veteran, 4, False, 0.10)
+    spec_step(gov, newcomer, [1], seconds=0.12)  # accepts only the bonus on its first block
+    assert newcomer[0].tau_estimate == pytest.approx(gov.expected_tau(veteran[0], 4) * 0.9 + 0.1, abs=0.05)
+    assert gov.speculate(newcomer, 4)  # ~2.8 tokens per 0.12 s still beats 1 per 0.10 s
+
+
 @pytest.mark.parametrize("kwargs", [dict(alpha=0.0), dict(alpha=1.5), dict(tau_alpha=0.0), dict(probe_spec_every=0)])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError, match="SpecGovernor"):

@@ -69,5 +69,8 @@ class SpecGovernor:
         if speculated:
             for seq in seqs:
                 tau = seq.accept_lengths[-1]
-                seq.tau_estimate = self._average(seq.tau_estimate, tau, self.tau_alpha)
+                # A sequence's first step moves it from the all-sequence prior, not to its one noisy sample:
+                # one unlucky first block would otherwise keep it plain until probes slowly pull it back.
+                prior = self.expected_tau(seq, block_size)
+                seq.tau_estimate = self._average(prior, tau, self.tau_alpha)
                 self._tau[block_size] = self._average(self._tau.get(block_size), tau, self.tau_alpha)
