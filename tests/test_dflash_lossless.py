@@ -239,3 +239,27 @@ def test_prompt_lookup_steps_skip_the_draft(models):
     assert spec.output_ids == plain.output_ids
     steps = len(spec.accept_lengths) + len(spec.lookup_accept_lengths)
     assert spec.lookup_accept_lengths and len(drafted) == len(spec.accept_lengths) < steps
+
+
+def test_a_batch_mixes_lookup_rows_and_drafted_rows_in_one_step(models):
+    """When only some rows have a context match, one verify pass at the lookup width checks those rows' copies
+    and the others' draft blocks (judged on their B-1 drafted tokens only); output still equals plain."""
+    runner = models[2]
+    runner.lookup_ngram, runner.lookup_width = 2, 5
+    runner.set_block_size(2)
+    mixed, dflash_step = [], runner.dflash_step
+    runner.dflash_step = lambda seqs, copies=None: (
+        mixed.append(copies is not None and any(copies) and not all(copies)) or dflash_step(seqs, copies))
+    try:
+        prompts = [[5, 6, 7, 8] * 6, [3, 41, 17, 88, 2, 60, 29]]  # a repeating context and one without repeats
+        params = SamplingParams(max_tokens=40)
+        plain = generate(runner, prompts, params, [], use_draft=False)
+        spec = generate(runner, prompts, params, [], use_draft=True)
+    finally:
+        del runner.dflash_step
+        runner.lookup_ngram = 0
+    assert [s.output_ids for s in spec] == [p.output_ids for p in plain]
+    assert any(mixed)
+    assert spec[0].lookup_accept_lengths and spec[1].accept_lengths
+    assert all(1 <= a <= 2 for s in spec for a in s.accept_lengths)
+    assert all(1 <= a <= 5 for s in spec for a in s.lookup_accept_lengths)

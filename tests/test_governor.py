@@ -16,10 +16,10 @@ def seqs(n: int) -> list[Sequence]:
     return [Sequence([1, 2], SamplingParams(max_tokens=64), frozenset()) for _ in range(n)]
 
 
-def spec_step(gov: SpecGovernor, batch: list[Sequence], accepts: list[int], seconds: float) -> None:
+def spec_step(gov: SpecGovernor, batch: list[Sequence], accepts: list[int], seconds: float, block_size: int = 4) -> None:
     for seq, a in zip(batch, accepts):
         seq.accept_lengths.append(a)
-    gov.record(batch, 4, True, seconds)
+    gov.record(batch, block_size, True, seconds)
 
 
 def test_measures_both_kinds_then_picks_the_faster_and_probes():
@@ -128,3 +128,16 @@ def test_governed_generation_mixes_steps_and_matches_plain(runner):
         runner.governor = None
     assert governed.output_ids == plain.output_ids
     assert governed.plain_steps > 0 and governed.accept_lengths
+
+
+def test_mixed_lookup_steps_are_weighed_against_dflash_steps():
+    """Only some rows copying: a wider step pays off when the copied rows' lookup tau outweighs its cost."""
+    gov, batch = SpecGovernor(alpha=1.0, tau_alpha=1.0), seqs(2)
+    assert gov.mix(batch, [True, False], 2, 4)  # nothing measured yet: try the wide step
+    spec_step(gov, batch, [2, 2], 0.10, block_size=2)  # DFlash at B=2: 4 tokens per 0.10 s
+    batch[0].lookup_accept_lengths.append(4)
+    batch[1].accept_lengths.append(2)
+    gov.record_lookup(batch, [True, False], 2, 4, 0.11)  # 4 + 2 tokens per 0.11 s
+    assert gov.mix(batch, [True, False], 2, 4)
+    gov.record_lookup(batch, [True, False], 2, 4, 0.20)  # the wide step got slow: 6 per 0.20 s < 4 per 0.10 s
+    assert not gov.mix(batch, [True, False], 2, 4)

@@ -91,7 +91,7 @@ def write_tiny_tokenizer(folder: Path) -> Path:
 
 class ScriptedGovernor:
     """Stands in for SpecGovernor in tests: speculates (True) or decodes plainly (False) by a fixed
-    cyclic script instead of by timing, so runs are deterministic and mix both kinds of step."""
+    cyclic script instead of by timing, so runs are deterministic and mix every kind of step."""
 
     def __init__(self, script: list[bool]) -> None:
         self.script, self.step = script or [True], 0
@@ -100,5 +100,12 @@ class ScriptedGovernor:
         self.step += 1
         return self.script[(self.step - 1) % len(self.script)]
 
+    def mix(self, seqs, copied, block_size, width) -> bool:
+        """The same script decides whether a batch where only some rows have a lookup match takes a mixed step."""
+        return self.speculate(seqs, block_size)
+
     def record(self, seqs, block_size, speculated, seconds) -> None:
+        pass
+
+    def record_lookup(self, seqs, copied, block_size, width, seconds) -> None:
         pass

@@ -155,26 +155,35 @@ class ModelRunner:
             seq.emit([int(out) if seq.params.greedy else next_token(out, seq.params, seq.generator)])
 
     def decode(self, seqs: list[Sequence], use_draft: bool) -> None:
-        """One decode step for every sequence: plain, or (use_draft) a DFlash step unless the governor
-        expects a plain step to commit tokens faster; a prompt-lookup step when every row has a match
-        (it needs no draft pass and accepts far more than the draft there: the governor is not asked)."""
-        if use_draft and self.lookup_ngram:
-            proposals = []
-            for seq in seqs:  # stops at the first row without a match: then no lookup step
-                if not (copy := lookup(seq.prompt_ids + seq.output_ids, self.lookup_ngram, self.lookup_width - 1)):
-                    break
-                proposals.append(copy)
-            if len(proposals) == len(seqs):
-                self.lookup_step(seqs, torch.tensor(proposals, device=self.device))
-                return
-        speculate = use_draft and (self.governor is None or self.governor.speculate(seqs, self.block_size))
+        """One decode step for every sequence: plain, a DFlash step, or a prompt-lookup step. A row whose
+        context has a match (spec/lookup.py) verifies the copy instead of a draft block: it accepts far more
+        there. When every row has one the step needs no draft pass (`lookup_step`); when only some do, the
+        others draft as usual in a `dflash_step` at the lookup width if the governor expects that wider step
+        to commit tokens faster; otherwise the governor picks a DFlash or a plain step."""
+        copies = self.lookups(seqs) if use_draft and self.lookup_ngram else []
+        copied = [bool(c) for c in copies]
         start = time.perf_counter()
+        if any(copied) and (all(copied) or self.governor is None
+                            or self.governor.mix(seqs, copied, self.block_size, self.lookup_width)):
+            if all(copied):
+                self.lookup_step(seqs, torch.tensor(copies, device=self.device))
+            else:
+                self.dflash_step(seqs, copies)
+            if self.governor is not None:
+                self.governor.record_lookup(seqs, copied, self.block_size, self.lookup_width,
+                                            time.perf_counter() - start)
+            return
+        speculate = use_draft and (self.governor is None or self.governor.speculate(seqs, self.block_size))
         if speculate:
             self.dflash_step(seqs)
         else:
             self.decode_step(seqs, feed_draft=use_draft)
         if use_draft and self.governor is not None:  # both steps end in a host sync (tokens emitted)
             self.governor.record(seqs, self.block_size, speculate, time.perf_counter() - start)
+
+    def lookups(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Each row's prompt-lookup proposals (lookup_width - 1 tokens), or [] where its context has no match."""
+        return [lookup(s.prompt_ids + s.output_ids, self.lookup_ngram, self.lookup_width - 1) for s in seqs]
 
     @torch.inference_mode()
     def decode_step(self, seqs: list[Sequence], feed_draft: bool = False) -> None:
@@ -233,42 +242,66 @@ class ModelRunner:
         return best if self.draft.vocab is None else self.draft.vocab[best]
 
     @torch.inference_mode()
-    def dflash_step(self, seqs: list[Sequence]) -> None:
-        """Draft a block per sequence in one pass, verify all blocks in one target pass, commit."""
+    def dflash_step(self, seqs: list[Sequence], copies: list[list[int]] | None = None) -> None:
+        """Draft a block per sequence in one pass, verify all blocks in one target pass, commit. With `copies`
+        (some rows' prompt-lookup proposals) those rows verify their copy instead and the pass is step_width
+        rows wide; the drafting rows still propose B-1 tokens (their accept lengths stay 1..B)."""
         self.feed_draft_backlog(seqs)
         batch = Batch([s.slot for s in seqs], [s.num_cached for s in seqs])
-        block = torch.full((len(seqs), self.block_size), self.mask_token_id, device=self.device)
-        block[:, 0] = torch.tensor([s.pending_token for s in seqs], device=self.device)
-        self.verify(seqs, self.draft_tokens(seqs, block, batch), batch, from_draft=True)
+        copied = [bool(c) for c in copies] if copies else [False] * len(seqs)
+        if not any(copied):
+            block = torch.full((len(seqs), self.block_size), self.mask_token_id, device=self.device)
+            block[:, 0] = torch.tensor([s.pending_token for s in seqs], device=self.device)
+            self.verify(seqs, self.draft_tokens(seqs, block, batch), batch, copied, inject=True)
+            return
+        drafting = [row for row, c in enumerate(copied) if not c]
+        rows = [seqs[row] for row in drafting]
+        block = torch.full((len(rows), self.block_size), self.mask_token_id, device=self.device)
+        block[:, 0] = torch.tensor([s.pending_token for s in rows], device=self.device)
+        drafted = self.draft_tokens(rows, block, Batch([s.slot for s in rows], [s.num_cached for s in rows]))
+        # Draft rows' positions past B-1 are filler the acceptance never reads (any token would do).
+        proposals = torch.full((len(seqs), self.step_width - 1), self.mask_token_id, device=self.device)
+        proposals[drafting, : self.block_size - 1] = drafted
+        for row, copy in enumerate(copies):
+            if copy:
+                proposals[row, : len(copy)] = torch.tensor(copy, device=self.device)
+        self.verify(seqs, proposals, batch, copied, inject=True)
 
     @torch.inference_mode()
     def lookup_step(self, seqs: list[Sequence], proposals: torch.Tensor) -> None:
         """Verify each row's prompt-lookup proposals [b, W-1]; the draft is not run (it catches up on the
         committed positions' features before it next drafts, as after a plain step)."""
-        self.verify(seqs, proposals, Batch([s.slot for s in seqs], [s.num_cached for s in seqs]), from_draft=False)
+        batch = Batch([s.slot for s in seqs], [s.num_cached for s in seqs])
+        self.verify(seqs, proposals, batch, [True] * len(seqs), inject=False)
         if max(len(s.unfed_features) for s in seqs) >= self.MAX_UNFED:
             self.feed_draft_backlog(seqs)
 
-    def verify(self, seqs: list[Sequence], proposals: torch.Tensor, batch: Batch, from_draft: bool) -> None:
-        """One causal target pass over [pending, proposals...] per row, acceptance, commit."""
+    def verify(self, seqs: list[Sequence], proposals: torch.Tensor, batch: Batch, copied: list[bool],
+               inject: bool) -> None:
+        """One causal target pass over [pending, proposals...] per row, acceptance, commit. A copied row
+        judges its first W-1 proposals and records a lookup step; a drafted row its first B-1 and a DFlash step.
+        inject: write the draft's context K/V for every row now (its backlog was fed), else copied rows keep
+        the committed positions' features for later."""
         pending = torch.tensor([[s.pending_token] for s in seqs], device=self.device)
         hidden, features = self.target(torch.cat([pending, proposals], dim=1), batch, self.target_cache, self.capture)
         outputs = self.target_outputs(seqs, hidden)
-        if from_draft:
+        if inject:
             # Context K/V for all rows: rows past a sequence's commit point are overwritten by the next
             # draft block (which starts right after the commit) before anything attends to them.
             self.draft.inject(features, batch, self.draft_cache)
         for row, seq in enumerate(seqs):
+            n = (self.lookup_width if copied[row] else self.block_size) - 1
             if seq.params.greedy:
-                accepted, bonus = greedy_accept(proposals[row], outputs[row])
+                accepted, bonus = greedy_accept(proposals[row, :n], outputs[row][: n + 1])
             else:
-                accepted, bonus = sampled_accept(proposals[row], outputs[row], seq.params, seq.generator)
+                accepted, bonus = sampled_accept(proposals[row, :n], outputs[row][: n + 1], seq.params, seq.generator)
             seq.num_cached += accepted + 1
-            if from_draft:
-                seq.accept_lengths.append(accepted + 1)
-            else:
+            if copied[row]:
                 seq.lookup_accept_lengths.append(accepted + 1)
-                seq.unfed_features.extend(features[row, : accepted + 1].unbind(0))
+                if not inject:
+                    seq.unfed_features.extend(features[row, : accepted + 1].unbind(0))
+            else:
+                seq.accept_lengths.append(accepted + 1)
             seq.emit(proposals[row, :accepted].tolist() + [bonus])
 
     @torch.inference_mode()

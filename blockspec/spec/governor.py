@@ -14,6 +14,10 @@ steps in a row it decodes plainly once (the plain cost may have changed).
 Output is unaffected: a plain step is exactly the baseline, and it still captures the target's features
 for the draft (kept on the sequence and injected in one pass before its next DFlash step), so speculation
 can resume at any step. Only speed changes.
+
+Prompt lookup (spec/lookup.py) steps are timed too, under their width: when only some rows of a batch
+have a context match, `mix` weighs a step at the lookup width (those rows verify their copy, at the
+all-row lookup tau) against a DFlash step at block size B for every row.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class SpecGovernor:
     _seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (width, batch) -> s per step
     _tau: dict[int, float] = field(default_factory=dict)  # block size -> tau over all sequences (new ones)
     _streak: tuple[bool, int] = (True, 0)  # (kind of the last steps, how many in a row)
+    _lookup_tau: float | None = None  # accept length of a prompt-lookup row, over all rows and sequences
 
     def __post_init__(self) -> None:
         if not (0 < self.alpha <= 1 and 0 < self.tau_alpha <= 1) or min(self.probe_spec_every,
@@ -60,6 +65,30 @@ class SpecGovernor:
             return not kind
         return sum(taus) / len(taus) * plain > spec
 
+    def mix(self, seqs: list[Sequence], copied: list[bool], block_size: int, width: int) -> bool:
+        """Whether a step verifying the copied rows' lookups (`width` rows per sequence, the other rows' draft
+        blocks padded to it) is expected to commit tokens faster than a DFlash step at block_size for all
+        rows. Measures the wide step first where it has no estimate."""
+        wide = self._seconds.get((max(width, block_size), len(seqs)))
+        narrow = self._seconds.get((block_size, len(seqs)))
+        taus = [self.expected_tau(s, block_size) for s in seqs]
+        if wide is None or narrow is None or self._lookup_tau is None or None in taus:
+            return True
+        mixed = sum(self._lookup_tau if c else tau for c, tau in zip(copied, taus))
+        return mixed / wide >= sum(taus) / narrow
+
+    def record_lookup(self, seqs: list[Sequence], copied: list[bool], block_size: int, width: int,
+                      seconds: float) -> None:
+        """Fold in a step where the copied rows verified prompt-lookup proposals (`width` rows wide): its
+        time, the lookup accept lengths, and the other rows' DFlash accept lengths."""
+        key = (max(width, block_size), len(seqs))
+        self._seconds[key] = self._average(self._seconds.get(key), seconds, self.alpha)
+        for seq, c in zip(seqs, copied):
+            if c:
+                self._lookup_tau = self._average(self._lookup_tau, seq.lookup_accept_lengths[-1], self.tau_alpha)
+            else:
+                self.fold_tau(seq, block_size)
+
     def record(self, seqs: list[Sequence], block_size: int, speculated: bool, seconds: float) -> None:
         """Fold in one finished step: its wall time and, for a DFlash step, each row's accept length."""
         key = (block_size if speculated else 1, len(seqs))
@@ -68,9 +97,12 @@ class SpecGovernor:
         self._streak = (speculated, run + 1 if kind == speculated else 1)
         if speculated:
             for seq in seqs:
-                tau = seq.accept_lengths[-1]
-                # A sequence's first step moves it from the all-sequence prior, not to its one noisy sample:
-                # one unlucky first block would otherwise keep it plain until probes slowly pull it back.
-                prior = self.expected_tau(seq, block_size)
-                seq.tau_estimate = self._average(prior, tau, self.tau_alpha)
-                self._tau[block_size] = self._average(self._tau.get(block_size), tau, self.tau_alpha)
+                self.fold_tau(seq, block_size)
+
+    def fold_tau(self, seq: Sequence, block_size: int) -> None:
+        """Fold the sequence's last DFlash accept length into its tau estimate and the all-sequence one. Its
+        first step moves it from the all-sequence prior, not to its one noisy sample: one unlucky first block
+        would otherwise keep it plain until probes slowly pull it back."""
+        tau = seq.accept_lengths[-1]
+        seq.tau_estimate = self._average(self.expected_tau(seq, block_size), tau, self.tau_alpha)
+        self._tau[block_size] = self._average(self._tau.get(block_size), tau, self.tau_alpha)
