@@ -51,7 +51,8 @@ def test_unsupported_width_is_refused():
 @pytest.mark.parametrize("layout", ["nn", "nt", "wx", "packed"])
 def test_linear_layouts_match_and_fall_back(layout):
     """Linear.set_layouts: each layout computes the same product for its row counts (key 0: any other count
-    of 2..SMALL_ROWS rows); one row, and counts above SMALL_ROWS, use F.linear on the stored weight."""
+    of 2..SMALL_ROWS rows); one row (unless planned), and counts above SMALL_ROWS, use F.linear on the stored
+    weight."""
     from blockspec.models.layers import SMALL_ROWS, Linear
 
     if layout == "packed" and not torch.backends.mkl.is_available():
@@ -65,6 +66,11 @@ def test_linear_layouts_match_and_fall_back(layout):
     expected = {rows: torch.nn.functional.linear(x, layer.weight, layer.bias) for rows, x in inputs.items()}
     layer.set_layouts({4: layout, 2: layout, 0: "wx" if layout == "packed" else layout})
     assert set(layer.fast) == {0, 2, 4}
+    for rows, x in inputs.items():
+        torch.testing.assert_close(layer(x), expected[rows], rtol=1e-5, atol=1e-5)
+    layer.set_layouts({1: "wx"})  # one row computed as two
+    torch.testing.assert_close(layer(inputs[1]), expected[1], rtol=1e-5, atol=1e-5)
+    layer.set_layouts({4: layout, 2: layout, 0: "wx" if layout == "packed" else layout})
     for rows, x in inputs.items():
         torch.testing.assert_close(layer(x), expected[rows], rtol=1e-5, atol=1e-5)
     for rows in (1, SMALL_ROWS + 1):
@@ -104,7 +110,7 @@ def test_tuned_plan_is_measured_once_per_machine(tmp_path, monkeypatch):
             time.sleep(0.002)
 
     plan = layout_tuning.tune_layouts(layers, [], run, (2, 4))
-    assert plan == {2: "wx", 4: "wx", 0: "wx"}
+    assert plan == {1: "wx", 2: "wx", 4: "wx", 0: "wx"}
     assert layers[1].fast[2][0] == "wx" and layers[1].fast[0][0] == "wx"
     calls = sum(map(len, current.values()))
     assert layout_tuning.tune_layouts(layers, [], run, (2, 4)) == plan

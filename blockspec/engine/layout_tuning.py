@@ -3,11 +3,12 @@
 A decode step multiplies one row by each weight (a GEMV); a verify step multiplies the B rows of a
 block, a batch of requests b or b*B rows. For those few rows the fastest GEMM form depends on the CPU
 and its BLAS: on the Intel Xeon (AVX-512, bf16) of sessions 1-10 MKL's NT form streamed the weight for
-2 rows and an MKL-packed copy won for 4; on a 2-core AMD EPYC (AVX2) those two cost 2.0x and 2.4x a
-one-row step while W x^T (the weight as the GEMM's big left operand) cost 1.05x (SmolLM2 body,
-scripts/verify_rows_bench.py). No fixed rule is right on both, so the runner measures: a few target
-passes of each candidate at each row count it will run, the fastest kept. Output tokens don't depend on
-the choice beyond fp32 rounding (as with any kernel).
+2 rows and an MKL-packed copy won for 4; on a 2-core AMD EPYC (AVX2) a SmolLM2 pass of 2 rows costs 2.0x
+a one-row step in the NT form and 4 rows 2.0x packed, while W x^T (the weight as the GEMM's big left
+operand) costs 0.9x at both: there MKL's GEMV is slower than its 2-column GEMM, so even one row goes
+faster as two (scripts/verify_rows_bench.py). No fixed rule is right on both, so the runner measures: a
+few target passes of each candidate at each row count it will run, the fastest kept. Output tokens don't
+depend on the choice beyond fp32 rounding (as with any kernel).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def plan_key(linears: list[Linear], counts: tuple[int, ...]) -> str:
         cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                    cpu)
     shapes = hashlib.sha256(repr([(m.in_features, m.out_features) for m in linears]).encode()).hexdigest()[:16]
-    return f"{cpu}|threads={torch.get_num_threads()}|torch={torch.__version__}|shapes={shapes}|rows={sorted(set(counts))}"
+    return f"v2|{cpu}|threads={torch.get_num_threads()}|torch={torch.__version__}|shapes={shapes}|rows={sorted(set(counts))}"
 
 
 def read_plans(path: Path) -> dict[str, dict[int, str]]:
@@ -61,7 +62,8 @@ def read_plans(path: Path) -> dict[str, dict[int, str]]:
 
 def tune_layouts(linears: list[Linear], tied_heads: list[Linear], run: Callable[[int], None],
                  counts: tuple[int, ...], reps: int = 2) -> dict[int, str]:
-    """The fastest layout per row count in `counts` (>= 2) and for every other small count (key 0), measured
+    """The fastest layout for one row (a decode step), per row count in `counts` (>= 2) and for every other
+    small count (key 0), measured
     with run(rows) (one pass of `rows` rows through the model) unless this machine measured it before; the
     plan is applied to the modules. Delete $BLOCKSPEC_HOME/layouts.json to measure again."""
     key = plan_key(linears + tied_heads, counts)
@@ -71,9 +73,9 @@ def tune_layouts(linears: list[Linear], tied_heads: list[Linear], run: Callable[
     if plan is None:
         apply_plan(linears, tied_heads, None)  # fresh copies of the current weights
         plan = {}
-        for rows in [*sorted({c for c in counts if c >= 2}), 0]:
+        for rows in [1, *sorted({c for c in counts if c >= 2}), 0]:
             seconds = {}
-            for layout in CANDIDATES if rows else CANDIDATES[:-1]:
+            for layout in CANDIDATES if rows > 1 else ("nn", "wx") if rows == 1 else CANDIDATES[:-1]:
                 apply_plan(linears, tied_heads, {**plan, rows: layout})
                 run(rows or DEFAULT_PROBE_ROWS)  # warm-up: first touch of the copies, MKL's own set-up
                 times = []

@@ -52,7 +52,8 @@ class Linear(nn.Module):
         from 2 to SMALL_ROWS rows); None or {}: the stored weight for every input. Layouts:
           "nn"     the stored column-major weight, F.linear as an NN GEMM (the default everywhere);
           "nt"     a row-major copy, F.linear as an NT GEMM (MKL streams it like a GEMV on some CPUs);
-          "wx"     a row-major copy, computed as W x^T: the weight is the GEMM's big left operand;
+          "wx"     a row-major copy, computed as W x^T: the weight is the GEMM's big left operand (one row is
+                   computed as two: a GEMM where the BLAS's GEMV is slow);
           "packed" an MKL-packed copy for exactly that row count (no re-packing per call).
         Which is fastest depends on the CPU (engine/layout_tuning.py measures it). copies=False takes only
         the layouts that need no copy (a tied LM head: its row-major weight is the embedding itself).
@@ -95,8 +96,10 @@ class Linear(nn.Module):
                 kind, weight, packed = layout
                 flat = x.reshape(rows, -1)
                 if kind == "wx":
-                    out = (torch.mm(weight, flat.t()) if self.bias is None
-                           else torch.addmm(self.bias.unsqueeze(1), weight, flat.t())).t().contiguous()
+                    # One row goes as two: some BLAS (MKL on AMD) run a 2-column GEMM faster than a GEMV.
+                    cols = (flat if rows > 1 else flat.repeat(2, 1)).t()
+                    out = (torch.mm(weight, cols) if self.bias is None
+                           else torch.addmm(self.bias.unsqueeze(1), weight, cols))[:, :rows].t().contiguous()
                 elif kind == "packed":
                     out = torch.ops.mkl._mkl_linear(flat, packed, weight, self.bias, rows)
                 else:
