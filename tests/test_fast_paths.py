@@ -96,11 +96,13 @@ def test_linear_layouts_without_copies_keep_a_column_major_weight():
 
 def test_tuned_plan_is_measured_once_per_machine(tmp_path, monkeypatch):
     """tune_layouts times each candidate with run(rows), keeps the fastest, saves it under $BLOCKSPEC_HOME and
-    reuses it without timing again; a corrupt file is measured again."""
+    reuses it (in this process and the next) without timing again; a corrupt file is measured again."""
     from blockspec.engine import layout_tuning
     from blockspec.models.layers import Linear
 
     monkeypatch.setenv("BLOCKSPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(layout_tuning, "SAVE_AFTER_S", 0.0)  # this toy measurement is quick: save it anyway
+    monkeypatch.setattr(layout_tuning, "_measured", {})
     layers = [Linear(16, 32), Linear(32, 16)]
     current = {}
 
@@ -114,7 +116,31 @@ def test_tuned_plan_is_measured_once_per_machine(tmp_path, monkeypatch):
     assert layers[1].fast[2][0] == "wx" and layers[1].fast[0][0] == "wx"
     calls = sum(map(len, current.values()))
     assert layout_tuning.tune_layouts(layers, [], run, (2, 4)) == plan
-    assert sum(map(len, current.values())) == calls  # read back, not timed again
+    layout_tuning._measured.clear()  # as in a new process: from the file
+    assert layout_tuning.tune_layouts(layers, [], run, (2, 4)) == plan
+    assert sum(map(len, current.values())) == calls  # not timed again
     (tmp_path / layout_tuning.PLANS_FILE).write_text("{not json")
+    layout_tuning._measured.clear()  # as in a new process
     assert layout_tuning.tune_layouts(layers, [], run, (2, 4)) == plan
     assert sum(map(len, current.values())) > calls
+
+
+@pytest.mark.parametrize("layout", ["nt", "wx", "packed"])
+def test_layouts_are_inference_only(layout):
+    """With grad enabled a Linear ignores its layout copies (detached, and MKL's packed op has no backward):
+    the gradient is the stored weight's, exactly as without a plan."""
+    from blockspec.models.layers import Linear
+
+    if layout == "packed" and not torch.backends.mkl.is_available():
+        pytest.skip("no MKL")
+    layer = Linear(16, 32)
+    with torch.no_grad():
+        layer.weight.normal_()
+    x = torch.randn(4, 16)
+    layer(x).square().sum().backward()
+    expected, layer.weight.grad = layer.weight.grad.clone(), None
+    layer.set_layouts({1: "wx" if layout == "packed" else layout, 4: layout})
+    layer(x).square().sum().backward()
+    assert torch.equal(layer.weight.grad, expected)
+    with torch.no_grad():
+        assert layer.fast and torch.allclose(layer(x), x @ layer.weight.t(), atol=1e-5)

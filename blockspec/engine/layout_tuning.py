@@ -31,6 +31,9 @@ from blockspec.models.layers import Linear
 CANDIDATES = ("nn", "nt", "wx", "packed")  # "packed" only for an exact row count
 DEFAULT_PROBE_ROWS = 16  # key 0 (every other 2..SMALL_ROWS-row input) is chosen by timing this many rows
 PLANS_FILE = "layouts.json"  # under $BLOCKSPEC_HOME: measured once per CPU, thread count and model shape
+SAVE_AFTER_S = 1.0  # a plan whose measurement took longer is saved
+# Plans measured in this process, saved or not: two runners of one model then compute alike (same rounding).
+_measured: dict[str, dict[int, str]] = {}
 
 
 def apply_plan(linears: list[Linear], tied_heads: list[Linear], plan: dict[int, str] | None) -> None:
@@ -60,6 +63,15 @@ def read_plans(path: Path) -> dict[str, dict[int, str]]:
         return {}
 
 
+def write_plans(path: Path, plans: dict[str, dict[int, str]]) -> None:
+    """Atomically; a read-only home only costs the next process a re-measure."""
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(plans, indent=1))
+        partial.replace(path)
+
+
 def tune_layouts(linears: list[Linear], tied_heads: list[Linear], run: Callable[[int], None],
                  counts: tuple[int, ...], reps: int = 2) -> dict[int, str]:
     """The fastest layout for one row (a decode step), per row count in `counts` (>= 2) and for every other
@@ -69,8 +81,9 @@ def tune_layouts(linears: list[Linear], tied_heads: list[Linear], run: Callable[
     key = plan_key(linears + tied_heads, counts)
     path = blockspec_home() / PLANS_FILE
     saved = read_plans(path)
-    plan = saved.get(key)
+    plan = _measured.get(key) or saved.get(key)
     if plan is None:
+        began = time.perf_counter()
         apply_plan(linears, tied_heads, None)  # fresh copies of the current weights
         plan = {}
         for rows in [1, *sorted({c for c in counts if c >= 2}), 0]:
@@ -85,11 +98,8 @@ def tune_layouts(linears: list[Linear], tied_heads: list[Linear], run: Callable[
                     times.append(time.perf_counter() - start)
                 seconds[layout] = statistics.median(times)
             plan[rows] = min(seconds, key=seconds.get)
-        saved[key] = plan
-        with contextlib.suppress(OSError):  # a read-only home only costs the next process a re-measure
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps(saved, indent=1))
-            partial.replace(path)
+        saved[key] = _measured[key] = plan
+        if time.perf_counter() - began > SAVE_AFTER_S:  # a tiny model re-measures faster than it reads a file
+            write_plans(path, saved)
     apply_plan(linears, tied_heads, plan)
     return dict(plan)

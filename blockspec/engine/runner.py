@@ -89,6 +89,7 @@ class ModelRunner:
         slot = self.pool.allocate()
         capture = self.capture
 
+        @torch.inference_mode()
         def run(rows: int) -> None:
             ids = torch.randint(0, self.target.embed_tokens.weight.shape[0], (1, rows), device=self.device)
             hidden, _ = self.target(ids, Batch([slot], [position]), self.target_cache, capture)
@@ -96,9 +97,8 @@ class ModelRunner:
 
         linears = [m for model in (self.target, self.draft) if model is not None
                    for m in model.modules() if isinstance(m, Linear) and m is not self.target.lm_head]
-        try:
-            with torch.inference_mode():
-                self.layout_plan = tune_layouts(linears, [self.target.lm_head], run, counts)
+        try:  # the weight copies are made outside inference mode: a grad-mode forward may use them too
+            self.layout_plan = tune_layouts(linears, [self.target.lm_head], run, counts)
             self._draft_head = None  # rebuilt in the new layouts when next drafted
         finally:
             self.pool.free(slot)

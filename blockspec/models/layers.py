@@ -89,7 +89,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fast = self.__dict__.get("fast")
-        if fast:
+        if fast and not torch.is_grad_enabled():  # the copies are detached: training goes through the weight
             rows = x.numel() // x.shape[-1]
             layout = fast.get(rows, fast.get(0) if 1 < rows <= SMALL_ROWS else None)
             if layout is not None:
