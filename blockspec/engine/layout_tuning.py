@@ -75,9 +75,9 @@ def write_plans(path: Path, plans: dict[str, dict[int, str]]) -> None:
 def tune_layouts(linears: list[Linear], tied_heads: list[Linear], run: Callable[[int], None],
                  counts: tuple[int, ...], reps: int = 2) -> dict[int, str]:
     """The fastest layout for one row (a decode step), per row count in `counts` (>= 2) and for every other
-    small count (key 0), measured
-    with run(rows) (one pass of `rows` rows through the model) unless this machine measured it before; the
-    plan is applied to the modules. Delete $BLOCKSPEC_HOME/layouts.json to measure again."""
+    small count (key 0), measured with run(rows) (one pass of `rows` rows through the model) unless this
+    process or this machine measured it before; the plan is applied to the modules. Delete
+    $BLOCKSPEC_HOME/layouts.json to measure again."""
     key = plan_key(linears + tied_heads, counts)
     path = blockspec_home() / PLANS_FILE
     saved = read_plans(path)

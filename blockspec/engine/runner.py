@@ -87,12 +87,11 @@ class ModelRunner:
         if self.pool.num_free == 0 or position < 0:
             return  # no free scratch slot to time in (set_block_size mid-generation): keep the last plan
         slot = self.pool.allocate()
-        capture = self.capture
 
         @torch.inference_mode()
         def run(rows: int) -> None:
             ids = torch.randint(0, self.target.embed_tokens.weight.shape[0], (1, rows), device=self.device)
-            hidden, _ = self.target(ids, Batch([slot], [position]), self.target_cache, capture)
+            hidden, _ = self.target(ids, Batch([slot], [position]), self.target_cache, self.capture)
             self.greedy_tokens(hidden)
 
         linears = [m for model in (self.target, self.draft) if model is not None
@@ -247,25 +246,20 @@ class ModelRunner:
         (some rows' prompt-lookup proposals) those rows verify their copy instead and the pass is step_width
         rows wide; the drafting rows still propose B-1 tokens (their accept lengths stay 1..B)."""
         self.feed_draft_backlog(seqs)
-        batch = Batch([s.slot for s in seqs], [s.num_cached for s in seqs])
         copied = [bool(c) for c in copies] if copies else [False] * len(seqs)
-        if not any(copied):
-            block = torch.full((len(seqs), self.block_size), self.mask_token_id, device=self.device)
-            block[:, 0] = torch.tensor([s.pending_token for s in seqs], device=self.device)
-            self.verify(seqs, self.draft_tokens(seqs, block, batch), batch, copied, inject=True)
-            return
         drafting = [row for row, c in enumerate(copied) if not c]
         rows = [seqs[row] for row in drafting]
         block = torch.full((len(rows), self.block_size), self.mask_token_id, device=self.device)
         block[:, 0] = torch.tensor([s.pending_token for s in rows], device=self.device)
-        drafted = self.draft_tokens(rows, block, Batch([s.slot for s in rows], [s.num_cached for s in rows]))
-        # Draft rows' positions past B-1 are filler the acceptance never reads (any token would do).
-        proposals = torch.full((len(seqs), self.step_width - 1), self.mask_token_id, device=self.device)
-        proposals[drafting, : self.block_size - 1] = drafted
-        for row, copy in enumerate(copies):
-            if copy:
-                proposals[row, : len(copy)] = torch.tensor(copy, device=self.device)
-        self.verify(seqs, proposals, batch, copied, inject=True)
+        proposals = self.draft_tokens(rows, block, Batch([s.slot for s in rows], [s.num_cached for s in rows]))
+        if copies and any(copied):  # widen to the lookup width; drafted rows' extra positions are never judged
+            wide = torch.full((len(seqs), self.step_width - 1), self.mask_token_id, device=self.device)
+            wide[drafting, : self.block_size - 1] = proposals
+            for row, copy in enumerate(copies):
+                if copy:
+                    wide[row, : len(copy)] = torch.tensor(copy, device=self.device)
+            proposals = wide
+        self.verify(seqs, proposals, Batch([s.slot for s in seqs], [s.num_cached for s in seqs]), copied, inject=True)
 
     @torch.inference_mode()
     def lookup_step(self, seqs: list[Sequence], proposals: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 Parallel = Literal["column", "row", "replicated"]
-SMALL_ROWS = 64  # a layout planned for "any other row count" (key 0) serves 2..SMALL_ROWS rows: decode and verify batches
+SMALL_ROWS = 64  # a layout planned for "any other row count" (key 0) serves 2..SMALL_ROWS rows (batches)
 
 
 class Linear(nn.Module):
