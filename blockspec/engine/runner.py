@@ -26,6 +26,11 @@ from blockspec.spec.lookup import lookup
 from blockspec.engine.layout_tuning import DEFAULT_PROBE_ROWS, tune_layouts
 
 
+def batch_of(seqs: list[Sequence]) -> Batch:
+    """The rows' slots and cache lengths: where a forward over them writes and what it attends to."""
+    return Batch([s.slot for s in seqs], [s.num_cached for s in seqs])
+
+
 class ModelRunner:
     # A plain step of a DFlash request only keeps the new position's target features; the draft catches
     # up right before it drafts again (`feed_draft_backlog`): injecting k positions costs about what
@@ -189,7 +194,7 @@ class ModelRunner:
         """Plain autoregressive step: one token for every sequence. `feed_draft` also keeps the new
         position's target features for the draft (`feed_draft_backlog`), so a DFlash request can
         speculate again at any later step."""
-        batch = Batch([s.slot for s in seqs], [s.num_cached for s in seqs])
+        batch = batch_of(seqs)
         ids = torch.tensor([[s.pending_token] for s in seqs], device=self.device)
         hidden, features = self.target(ids, batch, self.target_cache, self.capture if feed_draft else ())
         for row, seq in enumerate(seqs):
@@ -251,21 +256,21 @@ class ModelRunner:
         rows = [seqs[row] for row in drafting]
         block = torch.full((len(rows), self.block_size), self.mask_token_id, device=self.device)
         block[:, 0] = torch.tensor([s.pending_token for s in rows], device=self.device)
-        proposals = self.draft_tokens(rows, block, Batch([s.slot for s in rows], [s.num_cached for s in rows]))
-        if copies and any(copied):  # widen to the lookup width; drafted rows' extra positions are never judged
+        proposals = self.draft_tokens(rows, block, batch_of(rows))
+        if any(copied):  # widen to the lookup width; drafted rows' extra positions are never judged
             wide = torch.full((len(seqs), self.step_width - 1), self.mask_token_id, device=self.device)
             wide[drafting, : self.block_size - 1] = proposals
             for row, copy in enumerate(copies):
                 if copy:
                     wide[row, : len(copy)] = torch.tensor(copy, device=self.device)
             proposals = wide
-        self.verify(seqs, proposals, Batch([s.slot for s in seqs], [s.num_cached for s in seqs]), copied, inject=True)
+        self.verify(seqs, proposals, batch_of(seqs), copied, inject=True)
 
     @torch.inference_mode()
     def lookup_step(self, seqs: list[Sequence], proposals: torch.Tensor) -> None:
         """Verify each row's prompt-lookup proposals [b, W-1]; the draft is not run (it catches up on the
         committed positions' features before it next drafts, as after a plain step)."""
-        batch = Batch([s.slot for s in seqs], [s.num_cached for s in seqs])
+        batch = batch_of(seqs)
         self.verify(seqs, proposals, batch, [True] * len(seqs), inject=False)
         if max(len(s.unfed_features) for s in seqs) >= self.MAX_UNFED:
             self.feed_draft_backlog(seqs)
@@ -310,7 +315,7 @@ class ModelRunner:
         ids = torch.zeros((len(seqs), width), dtype=torch.long, device=self.device)
         for row, chunk in enumerate(chunks):
             ids[row, : len(chunk)] = torch.tensor(chunk, device=self.device)
-        batch = Batch([s.slot for s in seqs], [s.num_cached for s in seqs])
+        batch = batch_of(seqs)
         capture = self.capture if use_draft else ()
         hidden, features = self.target(ids, batch, self.target_cache, capture)
         if use_draft:
