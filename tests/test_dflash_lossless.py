@@ -1,5 +1,8 @@
-"""Lossless DFlash: greedy output == plain greedy output, sampled output has the target distribution."""
+"""Lossless DFlash: greedy output == plain greedy output, sampled output has the target distribution.
 
+BLOCKSPEC_TEST_DEVICE=cuda runs the engine-level checks on a GPU (fp32; the int8 head is CPU-only)."""
+
+import os
 from collections import Counter
 
 import pytest
@@ -20,7 +23,7 @@ from tests.tiny import ScriptedGovernor, write_tiny_draft, write_tiny_target
 
 BLOCK_SIZES = (2, 4, 8, 16)
 DRAFT_VOCAB = torch.cat([torch.arange(0, 12), torch.arange(12, 97, 3)])  # the tiny target has 97 ids
-CPU = torch.device("cpu")
+DEVICE = torch.device(os.environ.get("BLOCKSPEC_TEST_DEVICE", "cpu"))
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -29,10 +32,10 @@ def models(request, tmp_path_factory):
     write_tiny_target(folder / "target", request.param)
     cfg = ModelConfig.from_folder(folder / "target")
     write_tiny_draft(folder / "draft", cfg, block_size=16)
-    target = load_target(folder / "target", torch.float32, CPU)
+    target = load_target(folder / "target", torch.float32, DEVICE)
     runners = {}
     for size in BLOCK_SIZES:
-        draft = load_draft(folder / "draft", cfg, torch.float32, CPU, cli_block_size=size)
+        draft = load_draft(folder / "draft", cfg, torch.float32, DEVICE, cli_block_size=size)
         runners[size] = ModelRunner(target, draft, size, draft.config.mask_token_id, num_slots=4, max_len=160)
     return runners
 
@@ -66,8 +69,9 @@ def test_greedy_dflash_equals_plain(models, prompts, size, max_tokens, stops, in
     runner.lookup_ngram, runner.lookup_width = lookup
     runner.set_block_size(size)  # the runners share one target: pack its weights for this block size
     # both LM-head paths on any CPU: plain fp32, and the int8 one used where bf16 matmuls are fast
-    runner.argmax_head = Int8ArgmaxHead(runner.target.lm_head.weight) if int8_head else None
-    runner.draft.vocab = DRAFT_VOCAB if draft_vocab else None  # proposals from a subset of the tokens
+    use_int8 = int8_head and DEVICE.type == "cpu"
+    runner.argmax_head = Int8ArgmaxHead(runner.target.lm_head.weight) if use_int8 else None
+    runner.draft.vocab = DRAFT_VOCAB.to(DEVICE) if draft_vocab else None  # proposals from a subset of the tokens
     params = SamplingParams(max_tokens=max_tokens)
     plain = generate(runner, prompts, params, stops, use_draft=False)
     spec = generate(runner, prompts, params, stops, use_draft=True)
@@ -126,7 +130,7 @@ def test_oracle_draft_is_fully_accepted(models, size):
             done = len(seq.output_ids)
             future = reference[done : done + size - 1]
             rows.append(future + [0] * (size - 1 - len(future)))
-        return torch.tensor(rows)
+        return torch.tensor(rows, device=DEVICE)
 
     runner.draft_tokens = oracle
     try:
@@ -142,8 +146,9 @@ def test_oracle_draft_is_fully_accepted(models, size):
 def exact_next(target, prefixes: list[list[int]], params) -> torch.Tensor:
     """The target's filtered next-token distribution after each prefix (all of one length)."""
     cache = target.new_cache(len(prefixes), len(prefixes[0]) + 1)
-    hidden, _ = target(torch.tensor(prefixes), Batch(list(range(len(prefixes))), [0] * len(prefixes)), cache)
-    return filtered_probs(target.logits(hidden[:, -1]), params)
+    ids = torch.tensor(prefixes, device=target.embed_tokens.weight.device)
+    hidden, _ = target(ids, Batch(list(range(len(prefixes))), [0] * len(prefixes)), cache)
+    return filtered_probs(target.logits(hidden[:, -1]), params).cpu()
 
 
 def max_z(counts: Counter, probs: dict, n: int) -> float:
@@ -164,8 +169,8 @@ def worst_deviation(folder, params, lookup_ngram: int = 0) -> float:
     write_tiny_target(folder / "t", "llama", vocab_size=16, seed=3)
     cfg = ModelConfig.from_folder(folder / "t")
     write_tiny_draft(folder / "d", cfg, block_size=4, mask_token_id=15)
-    target = load_target(folder / "t", torch.float32, CPU)
-    draft = load_draft(folder / "d", cfg, torch.float32, CPU)
+    target = load_target(folder / "t", torch.float32, DEVICE)
+    draft = load_draft(folder / "d", cfg, torch.float32, DEVICE)
     runner = ModelRunner(target, draft, 4, 15, num_slots=64, max_len=32, lookup_ngram=lookup_ngram, lookup_width=4)
     prompt = [(7 * i + 3) % 16 for i in range(16)] if lookup_ngram else [3, 1]
     sp, n = SamplingParams(max_tokens=3, **params), 8000

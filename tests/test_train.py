@@ -22,7 +22,8 @@ from blockspec.train import data as D
 from blockspec.train.data import DataSpec, TrainSequence
 from blockspec.train.features import target_features, target_identity
 from blockspec.train.objective import (IGNORE, Blocks, TrainVocab, build_blocks, cosine_with_warmup, dflash_loss,
-                                       greedy_accept_lengths, loss_weights, sample_anchors, training_mask)
+                                       greedy_accept_lengths, loss_weights, sample_anchors, steps_in_budget,
+                                       training_mask)
 from blockspec.train.prompts import TOPICS, response_prompts
 from blockspec.train.trainer import train
 from tests.tiny import tiny_draft_raw, write_tiny_target
@@ -320,6 +321,17 @@ def test_on_policy_responses_are_generated_cached_and_trained_on(tmp_path):
     assert len(rows) == 5 and more["extract_train"]["tokens"] == new_tokens  # only the 2 new responses
 
 
+def test_an_interrupted_response_cache_loses_only_its_partial_line(tmp_path):
+    cache = tmp_path / "r.jsonl"
+    good = [{"prompt_ids": [1, 2], "output_ids": [3]}, {"prompt_ids": [4], "output_ids": [5, 6]}]
+    cache.write_text("".join(json.dumps(r) + "\n" for r in good) + '{"prompt_ids": [7, ')
+    assert D._read_rows(cache) == good
+    assert cache.read_text().splitlines() == [json.dumps(r) for r in good]  # appendable again
+    cache.write_text('{"prompt_ids": [7, \n' + json.dumps(good[0]) + "\n")
+    with pytest.raises(BlockspecError, match="line 1 is not JSON"):
+        D._read_rows(cache)
+
+
 def test_more_responses_extend_the_cache_without_repeating_a_prompt(tmp_path):
     from blockspec.train.data import ensure_responses
 
@@ -448,3 +460,75 @@ def test_distillation_trains_and_is_validated(tiny):
     for bad in (-0.1, 1.5, True):
         with pytest.raises(BlockspecError, match="--distill"):
             _cfg(tiny, tiny / "kd-bad", distill=bad)
+
+
+def test_online_features_equal_the_extracted_ones(tiny):
+    """--features online runs the target per batch: the same features (disk keeps them in fp16), the same
+    labels, and the same distillation teacher as the disk path, from sequences held in memory."""
+    from blockspec.train.trainer import Trainer
+
+    pair = []
+    for mode in ("disk", "online"):
+        trainer = Trainer(_cfg(tiny, tiny / f"feat-{mode}", features=mode, dtype="float32", distill=0.5))
+        trainer.prepare_data()
+        trainer.freeze_target()
+        pair.append(trainer)
+    disk, online = pair
+    assert online.online and not disk.online and online.stats["features"] == "online"
+    assert (online.num_train, online.num_eval, online.train_tokens) == (disk.num_train, disk.num_eval, disk.train_tokens)
+    ids, labels, feats, lengths, starts = disk.batch("train", [3, 7, 11])
+    o_ids, o_labels, o_feats, *_ = online.batch("train", [3, 7, 11])
+    assert o_feats is None and torch.equal(ids, o_ids)
+    assert all(bool((o_labels[row, :n] == -1).all()) for row, n in enumerate(lengths))  # text: the target decides
+    got_feats, got_labels, final = online.target_pass(o_ids, o_labels)
+    for row, n in enumerate(lengths):
+        assert torch.equal(got_labels[row, :n], labels[row, :n])
+        assert torch.allclose(got_feats[row, :n], feats[row, :n].float(), atol=2e-2)
+    gen = torch.Generator().manual_seed(1)
+    blocks = build_blocks(ids, labels, lengths, *sample_anchors(lengths, starts, 4, gen), 4, 5)
+    want = disk.teacher_hidden(feats.float(), blocks)
+    got = online.teacher_hidden(got_feats, blocks, final)
+    from_pos = blocks.positions.view(3, -1, 4)[:, :, :-1]
+    real = from_pos < torch.tensor(lengths).view(3, 1, 1)  # padding differs (zeros on disk, pad tokens online)
+    assert bool(real.any()) and torch.allclose(got[real], want[real], atol=2e-2)
+
+
+def test_online_training_learns_resumes_and_loads(tiny):
+    straight = train(_cfg(tiny, tiny / "on-a", features="online", steps=40, lr=1e-2, train_dtype="float32"))
+    state = torch.load(tiny / "on-a" / "checkpoint" / "state.pt", weights_only=False)
+    losses = [r["loss"] for r in state["history"]]
+    assert straight["step"] == 40 and "extract_train" not in straight
+    assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 0.3
+    assert load_draft(tiny / "on-a", ModelConfig.from_folder(tiny / "target"), torch.float32, CPU).config.block_size == 4
+    assert "online" in (tiny / "on-a" / "MODEL_CARD.md").read_text()
+    first = train(_cfg(tiny, tiny / "on-b", features="online", steps=40, lr=1e-2, train_dtype="float32",
+                       stop_after_steps=25))
+    assert first["step"] == 25
+    train(_cfg(tiny, tiny / "on-b", features="online", steps=40, lr=1e-2, train_dtype="float32", resume=True))
+    resumed = torch.load(tiny / "on-b" / "checkpoint" / "state.pt", weights_only=False)
+    for name, tensor in state["draft"].items():
+        assert torch.equal(tensor, resumed["draft"][name]), name
+
+
+def test_steps_in_budget():
+    # 20 steps took 10 s, 2 of them one evaluation: 0.4 s/step + 2 s per 10 steps -> 0.6 s/step; 30 s left,
+    # less the final evaluation's 2 s -> 46 more steps
+    assert steps_in_budget(20, 10.0, 2.0, 1, 10, 40.0) == 66
+    assert steps_in_budget(20, 50.0, 2.0, 1, 10, 40.0) == 20  # already over: no more steps
+
+
+def test_time_budget_fits_the_schedule_and_caps_at_steps(tiny):
+    summary = train(_cfg(tiny, tiny / "budget-a", time_budget=3.0, eval_every=25, train_dtype="float32"))
+    state = torch.load(tiny / "budget-a" / "checkpoint" / "state.pt", weights_only=False)
+    calibration = next(r["step"] for r in state["history"] if "heldout_tau" in r)  # evaluated, then fitted
+    assert 3 <= calibration <= 20 and summary["total_steps"] == state["total_steps"] > calibration
+    assert summary["step"] <= summary["total_steps"]
+    assert summary["step"] == len(state["history"]) and all(math.isfinite(r["loss"]) for r in state["history"])
+    spent = train(_cfg(tiny, tiny / "budget-b", time_budget=1e-3, steps=500, train_dtype="float32"))
+    assert spent["step"] == spent["total_steps"] == 3  # the budget is gone at the first calibration point
+    capped = train(_cfg(tiny, tiny / "budget-c", time_budget=600.0, steps=30, train_dtype="float32"))
+    assert capped["step"] == capped["total_steps"] == 30
+    with pytest.raises(BlockspecError, match="--time-budget"):
+        _cfg(tiny, tiny / "budget-d", time_budget=0)
+    with pytest.raises(BlockspecError, match="--features"):
+        _cfg(tiny, tiny / "budget-e", features="ram")

@@ -70,6 +70,12 @@ def register(sub) -> None:
     a("--gen-batch-size", type=int, default=8)
     a("--extract-batch-size", type=int, default=4)
     a("--cache-dir", default=None, help="feature/response cache (default $BLOCKSPEC_HOME/train-cache)")
+    a("--features", choices=["auto", "disk", "online"], default="auto",
+      help="target features: extracted once and cached on disk (reused by later runs), or computed by the "
+      "target for each batch (no disk; the fast path on a GPU). auto: online on CUDA, disk on CPU")
+    a("--time-budget", type=float, default=None, metavar="SECONDS",
+      help="fit the schedule to this much training time, measured over the first steps (--steps, if given, "
+      "stays the cap); a resumed run keeps its schedule and stops with a checkpoint when the time is spent")
     a("--stop-after-steps", type=int, default=None, help="stop with a checkpoint after N steps (then --resume)")
     a("--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's choice)")
     a("--json", action="store_true", help="print a JSON summary on stdout")

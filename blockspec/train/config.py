@@ -23,7 +23,8 @@ MASK_CANDIDATES = ("<|mask|>", "<mask>", "[MASK]", "<|MASK|>", "<empty_output>")
 # Fields that may change between a run and its --resume (they do not affect the trained weights).
 FINAL_NORM_SCALE = 0.3
 RESUMABLE_CHANGES = {"output", "resume", "save_every", "eval_every", "stop_after_steps", "device", "cache_dir",
-                     "command", "extract_batch_size", "gen_batch_size"}
+                     "command", "extract_batch_size", "gen_batch_size", "time_budget"}
+FEATURES = ("auto", "disk", "online")
 
 
 @dataclass
@@ -66,6 +67,8 @@ class TrainConfig:
     extract_batch_size: int = 4
     cache_dir: Path | None = None
     stop_after_steps: int | None = None  # stop early (checkpoint saved) after this many steps in this invocation
+    features: str = "auto"  # "disk": extract once, cache, reuse; "online": run the target per batch; auto: by device
+    time_budget: float | None = None  # seconds of training: the schedule's length is fitted to it
     command: str = ""
 
     def __post_init__(self) -> None:
@@ -100,6 +103,12 @@ class TrainConfig:
         if self.init not in ("target", "random") and not (Path(self.init).expanduser() / "config.json").is_file():
             raise BlockspecError(f"train-draft: --init={self.init!r}: use 'target', 'random', or a draft folder "
                                  f"(config.json + model.safetensors) to continue training from.")
+        if self.features not in FEATURES:
+            raise BlockspecError(f"train-draft: --features={self.features!r}; use one of {', '.join(FEATURES)}.")
+        if self.time_budget is not None and (isinstance(self.time_budget, bool) or
+                                             not isinstance(self.time_budget, (int, float)) or
+                                             not 0 < self.time_budget < math.inf):
+            raise BlockspecError(f"train-draft: --time-budget={self.time_budget!r} must be a number of seconds > 0.")
         if self.train_dtype not in ("auto", "float32", "bfloat16"):
             raise BlockspecError(f"train-draft: --train-dtype={self.train_dtype!r}; use auto, float32 or bfloat16.")
         if self.save_dtype not in SAVE_DTYPES:

@@ -145,7 +145,7 @@ def ensure_responses(
 ) -> list[dict]:
     """Generate (or load from `cache`, a .jsonl file appended chunk by chunk, so an interrupted run
     resumes) `count` greedy target responses: [{"prompt_ids": [...], "output_ids": [...]}, ...]."""
-    done = [json.loads(line) for line in cache.read_text().splitlines()] if cache.is_file() else []
+    done = _read_rows(cache)
     if len(done) >= count:
         return done[:count]
     from blockspec.llm import LLM
@@ -155,24 +155,32 @@ def ensure_responses(
               max_num_seqs=batch_size, max_model_len=seq_len)
     budget = seq_len - response_tokens
     answered = {tuple(row["prompt_ids"]) for row in done}  # a larger count draws a different prompt list
-    prompts: list[list[int]] = []
-    for text in response_prompts(count * 2, heldout, seed, stdlib_files(heldout), pydoc_files(heldout)):
-        # some get dropped for length
-        ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
-        if len(ids) <= budget and tuple(ids) not in answered:
-            prompts.append(ids)
-    need = count - len(done)
-    if len(prompts) < need:
-        raise BlockspecError(f"Only {len(done) + len(prompts)} of {count} response prompts fit --seq-len {seq_len} "
-                             f"with --response-tokens {response_tokens}; raise --seq-len or lower --response-tokens.")
+    texts = iter(response_prompts(count * 2, heldout, seed, stdlib_files(heldout), pydoc_files(heldout)))
+
+    def next_prompts(want: int) -> list[list[int]]:
+        """Encoded lazily, chunk by chunk, so generation starts at once however many are asked for."""
+        out: list[list[int]] = []
+        for text in texts:
+            ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+            if len(ids) <= budget and tuple(ids) not in answered:  # some get dropped for length
+                answered.add(tuple(ids))
+                out.append(ids)
+                if len(out) == want:
+                    break
+        return out
+
     params = SamplingParams(max_tokens=response_tokens, temperature=0.0)
     cache.parent.mkdir(parents=True, exist_ok=True)
     split = "held-out" if heldout else "train"
     chunk_size = batch_size * 4
     with tqdm(total=count, initial=len(done), desc=f"on-policy responses ({split})", unit="resp") as bar, \
             cache.open("a") as f:
-        for i in range(0, need, chunk_size):
-            chunk = prompts[i : min(need, i + chunk_size)]
+        while len(done) < count:
+            chunk = next_prompts(min(count - len(done), chunk_size))
+            if not chunk:
+                raise BlockspecError(f"Only {len(done)} of {count} response prompts fit --seq-len {seq_len} with "
+                                     f"--response-tokens {response_tokens}; raise --seq-len or lower "
+                                     f"--response-tokens.")
             for out in llm.generate(chunk, params, speculative_algorithm="NONE"):
                 row = {"prompt_ids": out.prompt_token_ids, "output_ids": out.token_ids}
                 f.write(json.dumps(row) + "\n")
@@ -180,6 +188,27 @@ def ensure_responses(
             f.flush()
             bar.update(len(chunk))
     return done[:count]
+
+
+def _read_rows(cache: Path) -> list[dict]:
+    """The cached responses. A run killed mid-write leaves a partial last line: it is cut off (and
+    generated again), so the cache stays appendable."""
+    if not cache.is_file():
+        return []
+    text = cache.read_text()
+    lines = text.splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise BlockspecError(f"{cache} line {i + 1} is not JSON: delete the file to generate the responses "
+                                     f"again.") from None
+            log.warning("%s: dropping a partial last line (an interrupted run)", cache)
+            with cache.open("r+") as f:
+                f.truncate(len("".join(line + "\n" for line in lines[:i]).encode()))
+    return rows
 
 
 def _responses(rows: list[dict]) -> Iterator[TrainSequence]:

@@ -1,4 +1,5 @@
-"""Precomputed target features and labels, cached on disk and reused across runs.
+"""Target features and labels: precomputed and cached on disk (`--features disk`), or computed by the
+trainer per batch from sequences held in memory (`--features online`, `SequenceStore`).
 
 One forward of the frozen target over a sequence yields both the draft's conditioning (the hidden
 states after the `target_layer_ids` layers, concatenated; float16 on disk) and the labels (the
@@ -67,8 +68,7 @@ def target_features(
     ids = ids.to(device)
     cache = target.new_cache(len(seqs), longest)
     hidden, feats = target(ids, Batch(list(range(len(seqs))), [0] * len(seqs)), cache, capture)
-    argmax = torch.cat([target.logits(hidden[:, i : i + logit_rows]).argmax(-1)
-                        for i in range(0, longest, logit_rows)], dim=1)
+    argmax = greedy_labels(target, hidden, logit_rows)
     out = []
     for row, s in enumerate(seqs):
         n = len(s.ids)
@@ -78,6 +78,24 @@ def target_features(
         fp16 = feats[row, :n].clamp(-65504, 65504).to(torch.float16)  # rare massive activations: no inf
         out.append((fp16.cpu().numpy(), labels))
     return out
+
+
+def greedy_labels(target: CausalLM, hidden: torch.Tensor, logit_rows: int = 128) -> torch.Tensor:
+    """The target's argmax next token at every position of hidden [b, t, H], `logit_rows` positions at a
+    time (the full [b, t, vocab] logits of a batch would not fit)."""
+    return torch.cat([target.logits(hidden[:, i : i + logit_rows]).argmax(-1)
+                      for i in range(0, hidden.shape[1], logit_rows)], dim=1)
+
+
+def leading_count(lengths: list[int], max_tokens: int | None, max_sequences: int | None) -> int:
+    """How many leading sequences (of these lengths) a run capped at max_tokens / max_sequences uses: each
+    source stops at the sequence that reaches its share."""
+    count, total = 0, 0
+    for length in lengths:
+        if (max_sequences is not None and count >= max_sequences) or (max_tokens is not None and total >= max_tokens):
+            break
+        count, total = count + 1, total + length
+    return count
 
 
 class FeatureStore:
@@ -157,13 +175,44 @@ class FeatureStore:
 
     def prefix(self, max_tokens: int | None, max_sequences: int | None) -> int:
         """How many leading sequences a run capped at max_tokens / max_sequences uses."""
-        count, total = 0, 0
-        for length in self._lengths:
-            if (max_sequences is not None and count >= max_sequences) or \
-                    (max_tokens is not None and total >= max_tokens):
+        return leading_count(self._lengths, max_tokens, max_sequences)
+
+
+class SequenceStore:
+    """`--features online`: a source's leading token sequences held in memory, read like a FeatureStore
+    but with no features; the trainer runs the target on each batch instead. Labels known without the
+    target (an on-policy response's own next tokens) are filled in; the others are -1, meaning the
+    target's argmax, which the trainer computes with the features."""
+
+    def __init__(self, sequences: Iterator[TrainSequence], max_tokens: int | None, max_sequences: int | None) -> None:
+        self.sequences: list[TrainSequence] = []
+        tokens = 0
+        for seq in sequences:
+            if (max_sequences is not None and len(self.sequences) >= max_sequences) or \
+                    (max_tokens is not None and tokens >= max_tokens):
                 break
-            count, total = count + 1, total + length
-        return count
+            self.sequences.append(seq)
+            tokens += len(seq.ids)
+        self._lengths = [len(s.ids) for s in self.sequences]
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.sequences)
+
+    def tokens_of(self, count: int) -> int:
+        return int(sum(self._lengths[:count]))
+
+    def prefix(self, max_tokens: int | None, max_sequences: int | None) -> int:
+        return leading_count(self._lengths, max_tokens, max_sequences)
+
+    def get(self, index: int) -> tuple[np.ndarray, np.ndarray, None, int]:
+        """(ids int32 [T], labels int32 [T] with -1 where the target decides, None, start)."""
+        seq = self.sequences[index]
+        ids = np.asarray(seq.ids, dtype=np.int32)
+        labels = np.full(len(ids), -1, dtype=np.int32)
+        if seq.on_policy:
+            labels[seq.start : len(ids) - 1] = ids[seq.start + 1 :]
+        return ids, labels, None, seq.start
 
 
 def extract(
@@ -208,7 +257,7 @@ def extract(
 class StoreSet:
     """The leading sequences of several stores (one per data source) as one indexable collection."""
 
-    def __init__(self, parts: list[tuple[FeatureStore, int]]) -> None:
+    def __init__(self, parts: list[tuple[FeatureStore | SequenceStore, int]]) -> None:
         self.parts = parts
         self._index = [(p, row) for p, (_, count) in enumerate(parts) for row in range(count)]
         self.num_tokens = sum(store.tokens_of(count) for store, count in parts)
@@ -216,6 +265,6 @@ class StoreSet:
     def __len__(self) -> int:
         return len(self._index)
 
-    def get(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    def get(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
         part, row = self._index[index]
         return self.parts[part][0].get(row)

@@ -218,3 +218,11 @@ def cosine_with_warmup(step: int, total: int, warmup: int) -> float:
         return (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def steps_in_budget(done: int, elapsed: float, eval_seconds: float, evals: int, eval_every: int, budget: float) -> int:
+    """How many steps in all fit a time budget, from `done` steps having taken `elapsed` seconds, of which
+    `eval_seconds` went to `evals` evaluations: the steps to come, their periodic evaluations and a final one."""
+    eval_cost = eval_seconds / max(1, evals)
+    per_step = (elapsed - eval_seconds) / done + eval_cost / eval_every
+    return done + max(0, int((budget - elapsed - eval_cost) / per_step))

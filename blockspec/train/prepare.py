@@ -1,8 +1,9 @@
-"""Training data on disk, before the first step: the target's on-policy responses (generated once and
-cached) and one target-feature store per (source, split), so a new mix of sources reuses every source
-already extracted. --tokens is shared out evenly, finite sources (responses, jsonl) first and what they
-leave over going to the rest. The held-out split uses the on-policy responses when the data has them
-(exact greedy labels), else every source's held-out split.
+"""Training data, before the first step: the target's on-policy responses (generated once and cached on
+disk) and, with `--features disk`, one target-feature store per (source, split), so a new mix of sources
+reuses every source already extracted; with `--features online`, the sequences alone, in memory.
+--tokens is shared out evenly, finite sources (responses, jsonl) first and what they leave over going to
+the rest. The held-out split uses the on-policy responses when the data has them (exact greedy labels),
+else every source's held-out split.
 """
 
 from __future__ import annotations
@@ -17,17 +18,18 @@ from blockspec.models.loader import load_target
 from blockspec.models.target import CausalLM
 from blockspec.train import data as D
 from blockspec.train.config import TrainConfig
-from blockspec.train.features import FeatureStore, StoreSet, cache_key, extract, target_identity
+from blockspec.train.features import FeatureStore, SequenceStore, StoreSet, cache_key, extract, target_identity
 
 CORPORA = ("stdlib", "pydoc")
 
 
 def prepare_stores(
     cfg: TrainConfig, spec: D.DataSpec, target_path: Path, tokenizer, capture: tuple[int, ...],
-    device: torch.device, stats: dict,
+    device: torch.device, stats: dict, online: bool = False,
 ) -> tuple[CausalLM, dict[str, StoreSet]]:
     """(the loaded target, {"train": StoreSet, "eval": StoreSet}); extraction figures and the share of
-    each source used go into `stats` (for the model card)."""
+    each source used go into `stats` (for the model card). `online`: the sequences only, in memory
+    (the trainer computes their features per batch)."""
     tdtype = resolve_dtype(cfg.dtype, device)
     root = cfg.cache_dir or blockspec_home() / "train-cache"
     ident = target_identity(target_path)
@@ -49,13 +51,17 @@ def prepare_stores(
             fields = dict(target=ident, layer_ids=list(capture), data=["responses" if cap is not None else source],
                           seq_len=cfg.seq_len, seed=cfg.seed, dtype=str(tdtype), split=split,
                           response_tokens=cfg.response_tokens)
-            store = FeatureStore(root / "features" / cache_key(**fields), fields)
             if split == "train":
                 limit = (share, cap)
             else:
                 limit = (None, share if cap is None else min(share, cap))
-            got = extract(store, D.source_sequences(*args), target, capture, *limit, cfg.extract_batch_size,
-                          desc=f"target features ({source}, {split})")
+            if online:
+                store = SequenceStore(D.source_sequences(*args), *limit)
+                got = {"tokens": 0}
+            else:
+                store = FeatureStore(root / "features" / cache_key(**fields), fields)
+                got = extract(store, D.source_sequences(*args), target, capture, *limit, cfg.extract_batch_size,
+                              desc=f"target features ({source}, {split})")
             if got["tokens"]:
                 done = stats.setdefault(f"extract_{split}", {"tokens": 0, "seconds": 0.0})
                 done["tokens"] += got["tokens"]

@@ -31,10 +31,16 @@ from blockspec.models.tokenizer import Tokenizer
 from blockspec.train import data as D
 from blockspec.train.config import (SAVE_DTYPES, TrainConfig, init_draft, load_init_weights, make_draft_config,
                                     resolve_train_dtype)
+from blockspec.train.features import greedy_labels
 from blockspec.train.model_card import write_model_card
 from blockspec.train.objective import (TrainVocab, build_blocks, cosine_with_warmup, dflash_loss,
-                                       greedy_accept_lengths, loss_weights, sample_anchors)
+                                       greedy_accept_lengths, loss_weights, sample_anchors, steps_in_budget)
 from blockspec.train.prepare import prepare_stores
+
+
+CALIBRATION_STEPS = 20  # --time-budget: steps timed (at most; a linear warm-up over them) before the length is set
+BUDGET_AIM, BUDGET_OVERRUN = 0.95, 1.1  # fit the run to 95% of the budget; stop with a checkpoint past 110%
+UNBOUNDED_STEPS = 10**9
 
 
 class Trainer:
@@ -42,7 +48,9 @@ class Trainer:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.train_dtype = resolve_train_dtype(cfg.train_dtype, self.device)
-        self.stats: dict = {"train_dtype": str(self.train_dtype).removeprefix("torch.")}
+        self.online = cfg.features == "online" or (cfg.features == "auto" and self.device.type == "cuda")
+        self.stats: dict = {"train_dtype": str(self.train_dtype).removeprefix("torch."),
+                            "features": "online" if self.online else "disk"}
         self.target_path = ensure_default_model() if cfg.target == "default" else Path(cfg.target).expanduser()
         self.target_cfg = ModelConfig.from_folder(self.target_path)
         has_tok = (self.target_path / "tokenizer.json").is_file()
@@ -60,26 +68,28 @@ class Trainer:
     # ---- data -------------------------------------------------------------------------------
     def prepare_data(self) -> None:
         self.target, self.stores = prepare_stores(self.cfg, self.spec, self.target_path, self.tokenizer,
-                                                  self.draft_cfg.target_layer_ids, self.device, self.stats)
+                                                  self.draft_cfg.target_layer_ids, self.device, self.stats,
+                                                  self.online)
         self.num_train, self.num_eval = len(self.stores["train"]), len(self.stores["eval"])
         if self.num_train == 0:
             raise BlockspecError(f"train-draft: --data {self.cfg.data!r} yielded no training sequences.")
         self.train_tokens = self.stores["train"].num_tokens
 
     def batch(self, split: str, indices: list[int]) -> tuple:
-        """(ids, labels, fp16 features) as CPU tensors padded to the longest row, lengths, starts. Reading
-        the memory-mapped features is disk-bound once the stores outgrow the page cache, so `run` loads the
-        next step's batch in a background thread while this step computes."""
+        """(ids, labels, fp16 features or None when online) as CPU tensors padded to the longest row,
+        lengths, starts. Reading the memory-mapped features is disk-bound once the stores outgrow the page
+        cache, so `run` loads the next step's batch in a background thread while this step computes."""
         rows = [self.stores[split].get(i) for i in indices]
         lengths, starts = [len(r[0]) for r in rows], [r[3] for r in rows]
-        t, width = max(lengths), rows[0][2].shape[1]
+        t = max(lengths)
         ids = torch.zeros(len(rows), t, dtype=torch.long)
         labels = torch.zeros(len(rows), t, dtype=torch.long)
-        feats = torch.zeros(len(rows), t, width, dtype=torch.float16)
+        feats = None if self.online else torch.zeros(len(rows), t, rows[0][2].shape[1], dtype=torch.float16)
         for i, (x, y, f, _) in enumerate(rows):  # copies out of the read-only memory maps
             ids[i, : len(x)] = torch.from_numpy(x.astype(np.int64))
             labels[i, : len(x)] = torch.from_numpy(y.astype(np.int64))
-            feats[i, : len(x)] = torch.from_numpy(np.array(f))
+            if feats is not None:
+                feats[i, : len(x)] = torch.from_numpy(np.array(f))
         return ids, labels, feats, lengths, starts
 
     def step_indices(self, step: int) -> list[int]:
@@ -98,42 +108,67 @@ class Trainer:
         """For a `batch(...)`: (draft hidden states, blocks, tokens, the target's hidden states for the slots
         when `teacher`)."""
         ids, labels, feats, lengths, starts = batch
-        dev = self.device
-        ids, labels, feats = ids.to(dev), labels.to(dev), feats.to(dev).float()
+        ids, labels, final = ids.to(self.device), labels.to(self.device), None
+        if feats is None:
+            feats, labels, final = self.target_pass(ids, labels)
+        else:
+            feats = feats.to(self.device).float()
         anchors, valid = sample_anchors(lengths, starts, count, generator)
         blocks = build_blocks(ids, labels, lengths, anchors.to(self.device), valid.to(self.device),
                               self.draft_cfg.block_size, self.draft_cfg.mask_token_id)
         ctx_pos = torch.arange(ids.shape[1], device=self.device).expand(ids.shape[0], -1)
         embeds = self.target.embed_tokens(blocks.input_ids).float()
         hidden = self.draft.forward_train(embeds, blocks.positions, feats, ctx_pos, blocks.mask)
-        return hidden, blocks, sum(lengths), self.teacher_hidden(feats, blocks) if teacher else None
+        return hidden, blocks, sum(lengths), self.teacher_hidden(feats, blocks, final) if teacher else None
+
+    @torch.no_grad()
+    @torch.autocast("cpu", enabled=False)
+    @torch.autocast("cuda", enabled=False)
+    def target_pass(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """--features online: one causal target forward over the batch in the target's own dtype -> (the
+        tapped features as float32, the labels with each -1 replaced by the target's argmax, the final-normed
+        hidden states (the distillation teacher)). Right padding never reaches real positions."""
+        b = ids.shape[0]
+        if self._target_cache is None:  # batches hold <= batch_size sequences of <= seq_len tokens
+            self._target_cache = self.target.new_cache(self.cfg.batch_size, self.cfg.seq_len)
+        hidden, feats = self.target(ids, Batch(list(range(b)), [0] * b), self._target_cache,
+                                    self.draft_cfg.target_layer_ids)
+        if bool((labels < 0).any()):
+            labels = torch.where(labels < 0, greedy_labels(self.target, hidden), labels)
+        return feats.float(), labels, self.target.norm(hidden)
 
     def freeze_target(self) -> None:
-        """After feature extraction training needs only the frozen embedding and LM head, plus, with
-        --distill, the layers above the deepest tapped one (the teacher's distribution)."""
+        """With features on disk training needs only the frozen embedding and LM head, plus, with --distill,
+        the layers above the deepest tapped one (the teacher's distribution); online, the whole target."""
+        self._teacher_cache = self._target_cache = None
+        self.target.requires_grad_(False)
+        if self.online:
+            return
         keep = ("embed_tokens", "lm_head") + (("layers", "norm", "rotary") if self.cfg.distill else ())
         for name in [n for n, _ in self.target.named_children() if n not in keep]:
             delattr(self.target, name)
         if self.cfg.distill:
             for i in range(max(self.draft_cfg.target_layer_ids) + 1):
                 self.target.layers[i] = torch.nn.Identity()
-        self._teacher_cache = None
-        self.target.requires_grad_(False)
 
     @torch.no_grad()
     @torch.autocast("cpu", enabled=False)
     @torch.autocast("cuda", enabled=False)
-    def teacher_hidden(self, feats: torch.Tensor, blocks) -> torch.Tensor:
+    def teacher_hidden(self, feats: torch.Tensor, blocks, final: torch.Tensor | None = None) -> torch.Tensor:
         """The target's final-normed hidden state at the position each block slot predicts from
-        ([b, count, B-1, H]): the deepest tapped layer's cached features run through the target's
-        remaining layers in its own dtype (causal; right padding cannot reach real positions)."""
+        ([b, count, B-1, H]): `final` when the target just ran (online), else the deepest tapped layer's
+        cached features run through the target's remaining layers in its own dtype (causal; right padding
+        cannot reach real positions)."""
         b, t, _ = feats.shape
         size, hidden_size = self.draft_cfg.block_size, self.target_cfg.hidden_size
         capture, last = self.draft_cfg.target_layer_ids, self.target_cfg.num_hidden_layers - 1
         deepest = max(capture)
         column = capture.index(deepest) * hidden_size
-        x = feats[..., column : column + hidden_size].to(self.target.embed_tokens.weight.dtype)
-        if deepest < last:  # a capture of the last layer is already final-normed (HF hidden_states[L])
+        if final is not None:
+            x = final
+        else:  # a capture of the last layer is already final-normed (HF hidden_states[L])
+            x = feats[..., column : column + hidden_size].to(self.target.embed_tokens.weight.dtype)
+        if final is None and deepest < last:
             if self._teacher_cache is None:  # batches hold <= batch_size sequences of <= seq_len tokens
                 self._teacher_cache = self.target.new_cache(self.cfg.batch_size, self.cfg.seq_len)
             x, _ = self.target.run_layers(x, deepest + 1, Batch(list(range(b)), [0] * b), self._teacher_cache)
@@ -164,6 +199,7 @@ class Trainer:
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
         state = {"draft": self.draft.state_dict(), "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "step": step, "history": self.history,
+                 "total_steps": self.total_steps, "warmup": self.warmup,
                  "rng": torch.get_rng_state(), "fingerprint": self.cfg.fingerprint(),
                  "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         tmp = self.state_path.with_suffix(".tmp")
@@ -184,6 +220,7 @@ class Trainer:
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         self.history = state["history"]
+        self.total_steps, self.warmup = state.get("total_steps", self.total_steps), state.get("warmup", self.warmup)
         torch.set_rng_state(state["rng"])
         if state["cuda_rng"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
@@ -216,15 +253,21 @@ class Trainer:
         self.draft.to(self.device).train()
         params = [p for p in self.draft.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-        warmup = max(1, round(cfg.warmup_ratio * self.total_steps))
+        self.warmup = max(1, round(cfg.warmup_ratio * self.total_steps))
         self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda s: cosine_with_warmup(s, self.total_steps, warmup))
+            self.opt, lambda s: cosine_with_warmup(s, self.total_steps, self.warmup))
         self.history: list[dict] = []
         self._perms: dict[int, torch.Tensor] = {}
         step = self.load() if cfg.resume and self.state_path.is_file() else 0
+        # --time-budget: a new run's length is known once its first steps are timed (CALIBRATION_STEPS, or fewer
+        # when they take a tenth of the budget); until then it warms up over those steps.
+        fitting = cfg.time_budget is not None and step == 0
+        calibrated = not fitting
+        if fitting:
+            self.total_steps, self.warmup = cfg.steps or UNBOUNDED_STEPS, CALIBRATION_STEPS
         weights = loss_weights(self.draft_cfg.block_size, cfg.loss_gamma).to(self.device)
         stop = self.total_steps if cfg.stop_after_steps is None else min(self.total_steps, step + cfg.stop_after_steps)
-        ema, seq_tokens, eval_seconds, t0, first = None, 0, 0.0, time.perf_counter(), step
+        ema, seq_tokens, eval_seconds, evals, t0, first = None, 0, 0.0, 0, time.perf_counter(), step
         bar = tqdm(total=self.total_steps, initial=step, desc="train-draft", unit="step")
         loader = ThreadPoolExecutor(max_workers=1)
         upcoming = loader.submit(self.batch, "train", self.step_indices(step)) if step < stop else None
@@ -247,12 +290,33 @@ class Trainer:
                 step, seq_tokens = step + 1, seq_tokens + n_tok
                 ema = info["loss"] if ema is None else 0.95 * ema + 0.05 * info["loss"]
                 record = {"step": step, "loss": round(info["loss"], 4), "acc1": round(info["acc1"], 4)}
-                if step % cfg.eval_every == 0 or step == stop:
+                calibrate = not calibrated and step >= 3 and (
+                    step >= CALIBRATION_STEPS or time.perf_counter() - t0 >= cfg.time_budget / 10)
+                evaluated = step % cfg.eval_every == 0 or step == stop or calibrate
+                if evaluated:
                     t_eval = time.perf_counter()
                     record.update({f"heldout_{k}": v for k, v in self.evaluate().items()})
-                    eval_seconds += time.perf_counter() - t_eval
+                    eval_seconds, evals = eval_seconds + time.perf_counter() - t_eval, evals + 1
                     tqdm.write(f"step {step}: loss {ema:.3f}, held-out tau {record['heldout_tau']:.3f}", file=sys.stderr)
                 self.history.append(record)
+                elapsed = time.perf_counter() - t0
+                # The length is fitted at the calibration step and refined at each evaluation of the first half.
+                if fitting and (calibrate or (calibrated and evaluated and 2 * step < self.total_steps)):
+                    fitted = steps_in_budget(step, elapsed, eval_seconds, evals, cfg.eval_every,
+                                             BUDGET_AIM * cfg.time_budget)
+                    self.total_steps = max(step, min(cfg.steps or UNBOUNDED_STEPS, fitted))
+                    self.warmup = max(CALIBRATION_STEPS, round(cfg.warmup_ratio * self.total_steps))
+                    stop = self.total_steps if cfg.stop_after_steps is None else min(self.total_steps, stop)
+                    bar.total = self.total_steps
+                    if calibrate:
+                        tqdm.write(f"--time-budget {cfg.time_budget:g} s: {self.total_steps} steps "
+                                   f"({elapsed / step:.3f} s/step so far)", file=sys.stderr)
+                calibrated = calibrated or calibrate
+                if cfg.time_budget is not None and calibrated and elapsed > BUDGET_OVERRUN * cfg.time_budget \
+                        and step < stop:
+                    tqdm.write(f"--time-budget {cfg.time_budget:g} s overrun at step {step} of {self.total_steps}: "
+                               f"saving a checkpoint; continue with --resume", file=sys.stderr)
+                    stop = step
                 rate = seq_tokens / (time.perf_counter() - t0 - eval_seconds)
                 bar.set_postfix(loss=f"{ema:.3f}", acc1=f"{info['acc1']:.2f}", tok_s=f"{rate:.0f}",
                                 tau=f"{self.last('heldout_tau'):.2f}", lr=f"{self.sched.get_last_lr()[0]:.1e}")
@@ -274,8 +338,9 @@ class Trainer:
     def train_vocab(self) -> TrainVocab:
         store, vocab_size = self.stores["train"], self.target_cfg.vocab_size
         counts = np.zeros(vocab_size, dtype=np.int64)
-        for i in range(self.num_train):
-            _, labels, _, start = store.get(i)
+        for i in range(self.num_train):  # online, a label the target decides is counted as the text's next token
+            ids, labels, _, start = store.get(i)
+            labels = np.where(labels >= 0, labels, np.append(ids[1:], ids[-1]))
             counts += np.bincount(labels[start:].astype(np.int64), minlength=vocab_size)
         vocab = TrainVocab(self.target.lm_head.weight, torch.from_numpy(counts), self.cfg.train_vocab)
         self.stats["train_vocab"] = {"size": vocab.weight.shape[0], "label_coverage": vocab.coverage}
