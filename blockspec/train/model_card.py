@@ -66,10 +66,10 @@ def write_model_card(path: Path, cfg: TrainConfig, draft: DraftConfig, target: P
         f"{cfg.warmup_ratio}, grad clip {cfg.grad_clip}; loss decay gamma "
         f"{cfg.loss_gamma or default_gamma(draft.block_size)}"
         + (f"; soft labels: loss = {1 - cfg.distill:g} x CE + {cfg.distill:g} x KL(target || draft), the target's "
-           + (f"distribution from its own forward pass" if stats.get("features") == "online" else
+           + ("distribution from its own forward pass" if stats.get("features") == "online" else
               f"distribution computed from the cached features of its layer {max(draft.target_layer_ids)} through "
               f"its remaining layers") if cfg.distill else ""),
-        f"- target features: " + ("computed by the target for each batch (`--features online`)"
+        "- target features: " + ("computed by the target for each batch (`--features online`)"
                                   if stats.get("features") == "online" else "extracted once and cached on disk"),
         f"- machine: {stats.get('machine')}; draft forward in {stats.get('train_dtype')}",
     ]
