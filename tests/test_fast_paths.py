@@ -144,3 +144,33 @@ def test_layouts_are_inference_only(layout):
     assert torch.equal(layer.weight.grad, expected)
     with torch.no_grad():
         assert layer.fast and torch.allclose(layer(x), x @ layer.weight.t(), atol=1e-5)
+
+
+def test_runner_keeps_the_int8_head_only_where_it_is_faster(tmp_path, monkeypatch):
+    """ModelRunner.pick_argmax_head times the greedy choice with the fp32 head and with the int8 copy and
+    keeps the faster (both exact); never on a head the int8 kernel does not support."""
+    from blockspec.config import ModelConfig
+    from blockspec.engine.runner import ModelRunner
+    from blockspec.models import argmax_head
+    from blockspec.models.loader import load_target
+    from tests.tiny import write_tiny_target
+
+    write_tiny_target(tmp_path / "t", hidden_size=64)
+    target = load_target(tmp_path / "t", torch.float32, torch.device("cpu"))
+    assert ModelConfig.from_folder(tmp_path / "t").hidden_size == 64
+    slow_argmax = argmax_head.Int8ArgmaxHead.argmax
+
+    def slow(self, h):
+        time.sleep(0.003)
+        return slow_argmax(self, h)
+
+    monkeypatch.setattr(argmax_head.Int8ArgmaxHead, "argmax", slow)
+    assert ModelRunner(target, None, 2, 0, num_slots=1, max_len=32).argmax_head is None
+    monkeypatch.setattr(argmax_head.Int8ArgmaxHead, "argmax", slow_argmax)
+    slow_linear = target.lm_head.forward
+    monkeypatch.setattr(target.lm_head, "forward", lambda x: (time.sleep(0.003), slow_linear(x))[1])
+    runner = ModelRunner(target, None, 2, 0, num_slots=1, max_len=32)
+    assert isinstance(runner.argmax_head, argmax_head.Int8ArgmaxHead)
+    h = torch.randn(3, 64)
+    with torch.inference_mode():
+        assert torch.equal(runner.greedy_tokens(h), (target.norm(h) @ target.lm_head.weight.t()).argmax(-1))
