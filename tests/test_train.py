@@ -319,6 +319,9 @@ def test_on_policy_responses_are_generated_cached_and_trained_on(tmp_path):
             for line in f.read_text().splitlines()]
     new_tokens = sum(len(r["prompt_ids"]) + len(r["output_ids"]) for r in rows[3:])
     assert len(rows) == 5 and more["extract_train"]["tokens"] == new_tokens  # only the 2 new responses
+    online = train(_cfg(tmp_path, tmp_path / "draft4", target=str(target), data="responses:5", mask_token_id=None,
+                        seq_len=1024, response_tokens=12, gen_batch_size=3, steps=2, eval_every=2, features="online"))
+    assert online["step"] == 2 and math.isfinite(online["heldout_tau"]) and "extract_train" not in online
 
 
 def test_an_interrupted_response_cache_loses_only_its_partial_line(tmp_path):
@@ -491,6 +494,17 @@ def test_online_features_equal_the_extracted_ones(tiny):
     from_pos = blocks.positions.view(3, -1, 4)[:, :, :-1]
     real = from_pos < torch.tensor(lengths).view(3, 1, 1)  # padding differs (zeros on disk, pad tokens online)
     assert bool(real.any()) and torch.allclose(got[real], want[real], atol=2e-2)
+
+
+def test_sequence_store_caps_and_labels():
+    from blockspec.train.features import SequenceStore
+
+    seqs = [TrainSequence([5, 6, 7, 8], 2, True), TrainSequence([1, 2, 3], 1, False), TrainSequence([9, 9], 1, False)]
+    store = SequenceStore(iter(seqs), max_tokens=5, max_sequences=None)  # stops at the one that reaches 5 tokens
+    assert store.num_sequences == 2 and store.tokens_of(2) == 7 and store.prefix(4, None) == 1
+    ids, labels, feats, start = store.get(0)  # a response: its own next tokens, no target pass needed
+    assert feats is None and start == 2 and labels[2:3].tolist() == [8] and bool((labels >= 0).all())
+    assert store.get(1)[1].tolist() == [-1, -1, -1]  # text: the target's argmax, computed online
 
 
 def test_online_training_learns_resumes_and_loads(tiny):

@@ -19,7 +19,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ from blockspec.models.target import CausalLM
 from blockspec.train.data import TrainSequence
 
 FORMAT_VERSION = 1
+T = TypeVar("T")
 PARTS = ("ids", "labels", "features", "offsets", "starts")
 
 
@@ -87,15 +88,16 @@ def greedy_labels(target: CausalLM, hidden: torch.Tensor, logit_rows: int = 128)
                       for i in range(0, hidden.shape[1], logit_rows)], dim=1)
 
 
-def leading_count(lengths: list[int], max_tokens: int | None, max_sequences: int | None) -> int:
-    """How many leading sequences (of these lengths) a run capped at max_tokens / max_sequences uses: each
-    source stops at the sequence that reaches its share."""
+def leading(items: Iterable[T], length: Callable[[T], int], max_tokens: int | None,
+            max_sequences: int | None) -> Iterator[T]:
+    """The leading sequences a run capped at max_tokens / max_sequences uses (`length`: a sequence's tokens):
+    each source stops at the sequence that reaches its share."""
     count, total = 0, 0
-    for length in lengths:
+    for item in items:
         if (max_sequences is not None and count >= max_sequences) or (max_tokens is not None and total >= max_tokens):
-            break
-        count, total = count + 1, total + length
-    return count
+            return
+        count, total = count + 1, total + length(item)
+        yield item
 
 
 class FeatureStore:
@@ -175,7 +177,7 @@ class FeatureStore:
 
     def prefix(self, max_tokens: int | None, max_sequences: int | None) -> int:
         """How many leading sequences a run capped at max_tokens / max_sequences uses."""
-        return leading_count(self._lengths, max_tokens, max_sequences)
+        return sum(1 for _ in leading(self._lengths, int, max_tokens, max_sequences))
 
 
 class SequenceStore:
@@ -185,15 +187,8 @@ class SequenceStore:
     target's argmax, which the trainer computes with the features."""
 
     def __init__(self, sequences: Iterator[TrainSequence], max_tokens: int | None, max_sequences: int | None) -> None:
-        self.sequences: list[TrainSequence] = []
-        tokens = 0
-        for seq in sequences:
-            if (max_sequences is not None and len(self.sequences) >= max_sequences) or \
-                    (max_tokens is not None and tokens >= max_tokens):
-                break
-            self.sequences.append(seq)
-            tokens += len(seq.ids)
-        self._lengths = [len(s.ids) for s in self.sequences]
+        self.sequences = list(leading(sequences, lambda seq: len(seq.ids), max_tokens, max_sequences))
+        self._lengths = [len(seq.ids) for seq in self.sequences]
 
     @property
     def num_sequences(self) -> int:
@@ -203,16 +198,15 @@ class SequenceStore:
         return int(sum(self._lengths[:count]))
 
     def prefix(self, max_tokens: int | None, max_sequences: int | None) -> int:
-        return leading_count(self._lengths, max_tokens, max_sequences)
+        return sum(1 for _ in leading(self._lengths, int, max_tokens, max_sequences))
 
     def get(self, index: int) -> tuple[np.ndarray, np.ndarray, None, int]:
         """(ids int32 [T], labels int32 [T] with -1 where the target decides, None, start)."""
         seq = self.sequences[index]
         ids = np.asarray(seq.ids, dtype=np.int32)
-        labels = np.full(len(ids), -1, dtype=np.int32)
-        if seq.on_policy:
-            labels[seq.start : len(ids) - 1] = ids[seq.start + 1 :]
-        return ids, labels, None, seq.start
+        if seq.on_policy:  # its own next tokens (those before `start` and the last are never used)
+            return ids, np.append(ids[1:], ids[-1]), None, seq.start
+        return ids, np.full(len(ids), -1, dtype=np.int32), None, seq.start
 
 
 def extract(

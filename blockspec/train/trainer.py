@@ -133,8 +133,10 @@ class Trainer:
             self._target_cache = self.target.new_cache(self.cfg.batch_size, self.cfg.seq_len)
         hidden, feats = self.target(ids, Batch(list(range(b)), [0] * b), self._target_cache,
                                     self.draft_cfg.target_layer_ids)
-        if bool((labels < 0).any()):
-            labels = torch.where(labels < 0, greedy_labels(self.target, hidden), labels)
+        rows = (labels < 0).any(dim=1).nonzero().squeeze(1)  # teacher-forced text (responses carry theirs)
+        if rows.numel():
+            labels = labels.clone()
+            labels[rows] = torch.where(labels[rows] < 0, greedy_labels(self.target, hidden[rows]), labels[rows])
         return feats.float(), labels, self.target.norm(hidden)
 
     def freeze_target(self) -> None:
