@@ -1,6 +1,7 @@
 """CPU fast paths that must not change results: the int8 argmax head (exactly the fp32 argmax, ties to
 the lowest id) and the Linear weight layouts (and their tuning)."""
 
+import json
 import time
 
 import pytest
@@ -119,6 +120,9 @@ def test_tuned_plan_is_measured_once_per_machine(tmp_path, monkeypatch):
     layout_tuning._measured.clear()  # as in a new process: from the file
     assert layout_tuning.tune_layouts(layers, [], run, (2, 4)) == plan
     assert sum(map(len, current.values())) == calls  # not timed again
+    saved = json.loads((tmp_path / layout_tuning.PLANS_FILE).read_text())
+    (tmp_path / layout_tuning.PLANS_FILE).write_text(json.dumps({**saved, "v1|old cpu": {"2": "nt"}}))
+    assert "v1|old cpu" not in layout_tuning.read_plans(tmp_path / layout_tuning.PLANS_FILE)  # stale: dropped
     (tmp_path / layout_tuning.PLANS_FILE).write_text("{not json")
     layout_tuning._measured.clear()  # as in a new process
     assert layout_tuning.tune_layouts(layers, [], run, (2, 4)) == plan

@@ -32,6 +32,7 @@ CANDIDATES = ("nn", "nt", "wx", "packed")  # "packed" only for an exact row coun
 DEFAULT_PROBE_ROWS = 16  # key 0 (every other 2..SMALL_ROWS-row input) is chosen by timing this many rows
 PLANS_FILE = "layouts.json"  # under $BLOCKSPEC_HOME: measured once per CPU, thread count and model shape
 SAVE_AFTER_S = 1.0  # a plan whose measurement took longer is saved
+PLAN_VERSION = "v2"  # plans saved under another version are dropped when the file is next written
 # Plans measured in this process, saved or not: two runners of one model then compute alike (same rounding).
 _measured: dict[str, dict[int, str]] = {}
 
@@ -50,7 +51,7 @@ def plan_key(linears: list[Linear], counts: tuple[int, ...]) -> str:
         cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                    cpu)
     shapes = hashlib.sha256(repr([(m.in_features, m.out_features) for m in linears]).encode()).hexdigest()[:16]
-    return f"v2|{cpu}|threads={torch.get_num_threads()}|torch={torch.__version__}|shapes={shapes}|rows={sorted(set(counts))}"
+    return f"{PLAN_VERSION}|{cpu}|threads={torch.get_num_threads()}|torch={torch.__version__}|shapes={shapes}|rows={sorted(set(counts))}"
 
 
 def read_plans(path: Path) -> dict[str, dict[int, str]]:
@@ -58,7 +59,7 @@ def read_plans(path: Path) -> dict[str, dict[int, str]]:
     try:
         raw = json.loads(path.read_text())
         return {key: {int(rows): layout for rows, layout in plan.items() if layout in CANDIDATES}
-                for key, plan in raw.items()}
+                for key, plan in raw.items() if key.startswith(f"{PLAN_VERSION}|")}
     except (OSError, ValueError, AttributeError, TypeError):
         return {}
 
