@@ -12,8 +12,9 @@
 #
 # Stages, each under its own time limit so one failure leaves the others their time: convert the
 # embedded target; the lossless property tests on the GPU (fp32); `bench` with the shipped draft in bf16
-# (DFlash vs plain decoding, outputs_match); on-policy responses for GEN_SECONDS; `train-draft` with
-# target features computed online for TRAIN_SECONDS; pack the draft (in parts under 16 MB) and the logs.
+# (DFlash vs plain decoding, outputs_match); on-policy responses for up to GEN_SECONDS; `train-draft` with
+# target features computed online for the time left (--time-budget); pack the draft (in parts under 16 MB)
+# and the logs.
 # Locally (a dry run of the plumbing): DEVICE=cpu DTYPE=float32 TOTAL=600 PY=.venv/bin/python TRAIN_ARGS=...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -86,7 +87,7 @@ data=stdlib
 [ "$rows" -gt 0 ] && data=responses:$rows,stdlib
 budget=$(($(left) - 60))
 # shellcheck disable=SC2086
-[ "$budget" -ge 30 ] && stage $((budget + 50)) train $PY -m blockspec train-draft --device "$DEVICE" --dtype "$DTYPE" \
+[ "$budget" -ge 100 ] && stage $((budget + 50)) train $PY -m blockspec train-draft --device "$DEVICE" --dtype "$DTYPE" \
     --output "$WORK/draft" --data "$data" --tokens $((rows * 600 + 1000000)) --time-budget $((budget - 40)) \
     --save-every 1000000 --json $TRAIN_ARGS
 
