@@ -273,6 +273,17 @@ def test_block_size_resolution_order() -> None:
     assert len(warns) == 1 and "using 16" in warns[0]
     warns.clear()
     assert resolve(raw, cli_block_size=5, warn=warns).block_size == 5 and warns == []
+    # a draft run at a smaller default than it was trained at (blockspec's dflash_config.trained_block_size)
+    raw = smol_draft()
+    raw["block_size"], raw["dflash_config"]["trained_block_size"] = 2, 4
+    assert resolve(raw, cli_block_size=4, warn=warns).block_size == 4
+    assert len(warns) == 1 and "LARGER" not in warns[0] and "trained at" in warns[0]
+    warns.clear()
+    assert resolve(raw, cli_block_size=8, warn=warns).block_size == 8
+    assert "LARGER" in warns[0] and "trained_block_size=4" in warns[0]
+    raw["dflash_config"]["trained_block_size"] = "four"
+    with pytest.raises(DraftConfigError, match="trained_block_size"):
+        resolve(raw, warn=warns)
 
 
 def test_block_size_must_be_at_least_two() -> None:

@@ -227,10 +227,19 @@ def _block_size(raw: dict, dcfg: dict, source: str, cli: int | None, warn: Warn)
             f"DFLASH {flag}={size} is too small: a DFlash block needs >= 2 tokens (the bonus plus at least one "
             f"drafted token); block size 1 is just plain decoding. Use --speculative-algorithm NONE for plain "
             f"decoding, or --block-size >= 2.")
+    # blockspec extension: a draft whose block_size is the size it runs at best may record the larger size it
+    # was trained at (other loaders ignore the key)
+    trained_on = dcfg.get("trained_block_size")
+    if trained_on is not None:
+        _int(trained_on, "dflash_config.trained_block_size", source)
     if cli is not None and trained is not None and cli != trained:
-        if cli > trained:
-            warn(f"DFLASH --block-size={cli} is LARGER than the draft's trained {where}={trained} ({source}): "
-                 f"positions past {trained} were never trained, so acceptance will drop. Prefer <= {trained}.")
+        limit, limit_where = (trained, where) if trained_on is None else (trained_on, "dflash_config.trained_block_size")
+        if cli > limit:
+            warn(f"DFLASH --block-size={cli} is LARGER than the draft's trained {limit_where}={limit} ({source}): "
+                 f"positions past {limit} were never trained, so acceptance will drop. Prefer <= {limit}.")
+        elif trained_on is not None:
+            warn(f"DFLASH --block-size={cli} overrides the draft's default {where}={trained} ({source}), within "
+                 f"the {trained_on} it was trained at.")
         else:
             warn(f"DFLASH --block-size={cli} overrides the draft's trained {where}={trained} ({source}); "
                  f"a draft trained on larger blocks runs on smaller ones.")
