@@ -12,8 +12,13 @@ from blockspec.errors import BlockspecError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(name: str | None) -> torch.device:
-    """'cpu', 'cuda', 'cuda:N' or 'auto'/None (cuda when visible, else cpu)."""
+def resolve_device(name: str | torch.device | None) -> torch.device:
+    """'cpu', 'cuda', 'cuda:N' or 'auto'/None (cuda when visible, else cpu); a torch.device of another
+    backend is taken as given (the caller's own accelerator)."""
+    if isinstance(name, torch.device):
+        if name.type not in ("cpu", "cuda"):
+            return name
+        name = str(name)
     accepted = "'cpu', 'cuda', 'cuda:N' or 'auto'"
     key = "auto" if name is None else (name.strip().lower() if isinstance(name, str) else None)
     if key == "auto":

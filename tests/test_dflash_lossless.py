@@ -1,6 +1,7 @@
 """Lossless DFlash: greedy output == plain greedy output, sampled output has the target distribution.
 
-BLOCKSPEC_TEST_DEVICE=cuda runs the engine-level checks on a GPU (fp32; the int8 head is CPU-only)."""
+BLOCKSPEC_TEST_DEVICE=cuda runs the engine-level checks on a GPU (fp32; the int8 head is CPU-only);
+BLOCKSPEC_TEST_DEVICE=fake on the CPU stand-in that enforces CUDA's device rules (tests/fake_gpu.py)."""
 
 import os
 from collections import Counter
@@ -23,7 +24,16 @@ from tests.tiny import ScriptedGovernor, write_tiny_draft, write_tiny_target
 
 BLOCK_SIZES = (2, 4, 8, 16)
 DRAFT_VOCAB = torch.cat([torch.arange(0, 12), torch.arange(12, 97, 3)])  # the tiny target has 97 ids
-DEVICE = torch.device(os.environ.get("BLOCKSPEC_TEST_DEVICE", "cpu"))
+DEVICE_NAME = os.environ.get("BLOCKSPEC_TEST_DEVICE", "cpu")
+if DEVICE_NAME == "fake":
+    from tests.fake_gpu import FAKE_GPU as DEVICE, fake_gpu
+
+    @pytest.fixture(autouse=True, scope="module")
+    def _on_the_stand_in():
+        with fake_gpu():
+            yield
+else:
+    DEVICE = torch.device(DEVICE_NAME)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -87,12 +97,14 @@ def test_greedy_dflash_equals_plain(models, prompts, size, max_tokens, stops, in
 
 @pytest.mark.parametrize("int8_head", [False, True])
 def test_draft_vocab_bounds_the_proposals(models, int8_head):
+    if int8_head and DEVICE.type != "cpu":
+        pytest.skip("the int8 head is CPU-only")
     runner = models[4]
     runner.set_block_size(4)
     runner.argmax_head = Int8ArgmaxHead(runner.target.lm_head.weight) if int8_head else None
     proposed, draft_tokens = [], runner.draft_tokens
     runner.draft_tokens = lambda *a: proposed.append(draft_tokens(*a)) or proposed[-1]
-    runner.draft.vocab = DRAFT_VOCAB
+    runner.draft.vocab = DRAFT_VOCAB.to(DEVICE)
     try:
         plain = generate(runner, [[1, 2, 3]], SamplingParams(max_tokens=40), [], use_draft=False)[0]
         spec = generate(runner, [[1, 2, 3]], SamplingParams(max_tokens=40), [], use_draft=True)[0]
@@ -100,7 +112,7 @@ def test_draft_vocab_bounds_the_proposals(models, int8_head):
         runner.draft.vocab = None
         del runner.draft_tokens
     assert spec.output_ids == plain.output_ids
-    assert torch.isin(torch.cat(proposed).flatten(), DRAFT_VOCAB).all()
+    assert torch.isin(torch.cat(proposed).flatten().cpu(), DRAFT_VOCAB).all()
 
 
 @pytest.mark.parametrize("size", BLOCK_SIZES)
@@ -214,7 +226,7 @@ def test_distribution_check_catches_a_biased_rule(tmp_path, monkeypatch):
     import blockspec.engine.runner as runner_module
 
     def biased(drafts, logits, params, generator):
-        probs = filtered_probs(logits, params)
+        probs = filtered_probs(logits, params).cpu()  # draws on the request's (CPU) generator
         u = torch.rand(drafts.shape[0], generator=generator)
         for i in range(drafts.shape[0]):
             if u[i] >= probs[i, drafts[i]]:

@@ -27,9 +27,15 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return filtered / filtered.sum(dim=-1, keepdim=True)
 
 
+def draw_device(probs: torch.Tensor, generator: torch.Generator | None) -> torch.device:
+    """Where random draws happen: on the request's generator (a CPU one, so a seed gives the same stream on
+    every device; CUDA refuses a CPU generator for its own tensors), else on the probabilities' device."""
+    return probs.device if generator is None else generator.device
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of probs [n, V]."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """One token per row of probs [n, V], on the draw device."""
+    return torch.multinomial(probs.to(draw_device(probs, generator)), 1, generator=generator).squeeze(-1)
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

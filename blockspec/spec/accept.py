@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from blockspec.engine.sampler import filtered_probs, sample
+from blockspec.engine.sampler import draw_device, filtered_probs, sample
 from blockspec.sampling_params import SamplingParams
 
 
@@ -25,8 +25,8 @@ def sampled_accept(
     at the first rejection draw the bonus from p_i with d_i removed and renormalised; if all are
     accepted draw it from the last position. The output then has exactly the target distribution."""
     probs = filtered_probs(target_logits, params)
-    uniforms = torch.rand(drafts.shape[0], generator=generator, device=probs.device)
-    p_draft = probs[:-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    uniforms = torch.rand(drafts.shape[0], generator=generator, device=draw_device(probs, generator))
+    p_draft = probs[:-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1).to(uniforms.device)
     rejected = (uniforms >= p_draft).nonzero()
     if rejected.numel() == 0:
         return drafts.shape[0], int(sample(probs[-1:], generator)[0])

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import torch
 from tqdm import tqdm
 
 from blockspec.errors import BlockspecError
@@ -141,7 +142,7 @@ def _jsonl(path: Path, heldout: bool, tokenizer, seq_len: int) -> Iterator[Train
 
 def ensure_responses(
     cache: Path, target_path: Path, count: int, heldout: bool, seq_len: int, response_tokens: int,
-    seed: int, device: str, dtype: str, batch_size: int,
+    seed: int, device: str | torch.device, dtype: str, batch_size: int,
 ) -> list[dict]:
     """Generate (or load from `cache`, a .jsonl file appended chunk by chunk, so an interrupted run
     resumes) `count` greedy target responses: [{"prompt_ids": [...], "output_ids": [...]}, ...]."""

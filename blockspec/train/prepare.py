@@ -86,5 +86,5 @@ def _responses(cfg: TrainConfig, source: str, root: Path, ident: dict, target_pa
     counts = {False: int(source.split(":")[1]), True: max(1, cfg.eval_seqs // 2)}
     return {heldout: D.ensure_responses(
         root / "responses" / f"{key}-{'eval' if heldout else 'train'}.jsonl", target_path, count, heldout,
-        cfg.seq_len, cfg.response_tokens, cfg.seed, str(device), cfg.dtype, cfg.gen_batch_size)
+        cfg.seq_len, cfg.response_tokens, cfg.seed, device, cfg.dtype, cfg.gen_batch_size)
         for heldout, count in counts.items()}

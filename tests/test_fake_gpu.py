@@ -1,0 +1,96 @@
+"""The GPU path without a GPU: the engine and train-draft run end to end on a stand-in device (fake_gpu.py)
+that enforces CUDA's device rules, so a tensor left on the CPU fails here instead of in a rare GPU session."""
+
+import json
+import random
+from unittest import mock
+
+import pytest
+import torch
+
+import blockspec.train.trainer as trainer
+from blockspec.config import ModelConfig
+from blockspec.llm import LLM
+from blockspec.models.loader import load_draft
+from blockspec.sampling_params import SamplingParams
+from blockspec.train.trainer import train
+from tests.fake_gpu import FAKE_GPU, FakeGpuTensor, fake_gpu
+from tests.test_train import _cfg, write_char_tokenizer
+from tests.tiny import write_tiny_draft, write_tiny_target, write_tiny_tokenizer
+
+CPU = torch.device("cpu")
+PROMPTS = [[3, 4, 5, 6, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 9, 10, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fake-gpu")
+    write_tiny_tokenizer(write_tiny_target(folder / "target"))
+    write_tiny_draft(folder / "draft", ModelConfig.from_folder(folder / "target"), block_size=8)
+    return folder
+
+
+def test_the_stand_in_enforces_cudas_device_rules():
+    with fake_gpu():
+        x = torch.arange(4.0).to(FAKE_GPU)
+        assert isinstance(x, FakeGpuTensor) and x.device == FAKE_GPU
+        assert (x + torch.tensor(1.0)).tolist() == [1.0, 2.0, 3.0, 4.0]  # 0-dim CPU scalars are fine
+        assert x[torch.tensor([0, 2])].tolist() == [0.0, 2.0] and x[[1, 3]].tolist() == [1.0, 3.0]  # CPU indices too
+        assert torch.zeros(2, device=FAKE_GPU).device == FAKE_GPU and x.cpu().device == CPU
+        with pytest.raises(RuntimeError, match="same device"):
+            x + torch.ones(4)
+        with pytest.raises(RuntimeError, match="same device"):
+            torch.cat([x, torch.ones(1)])
+        with pytest.raises(RuntimeError, match="generator"):
+            torch.multinomial(x.softmax(0), 1, generator=torch.Generator())
+        with pytest.raises(TypeError, match="numpy"):
+            x.numpy()
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+def test_engine_on_the_device_equals_the_cpu(tiny, block_size):
+    """Greedy DFlash (with prompt lookup) on the device == plain decoding on the CPU, and a seeded sampled
+    request draws the same tokens on both (its generator, and so its draws, stay on the CPU). The governor,
+    which chooses steps by timing, is off: sampled plain and DFlash steps draw differently."""
+    greedy, sampled = SamplingParams(max_tokens=24), SamplingParams(max_tokens=24, temperature=1.0, seed=7)
+    cpu = LLM(model_path=str(tiny / "target"), draft_model_path=str(tiny / "draft"), block_size=block_size,
+              device="cpu", adaptive_speculation=False)
+    plain = [o.token_ids for o in LLM(model_path=str(tiny / "target"), speculative_algorithm="NONE",
+                                       device="cpu").generate(PROMPTS, greedy)]
+    with fake_gpu():
+        gpu = LLM(model_path=str(tiny / "target"), draft_model_path=str(tiny / "draft"), block_size=block_size,
+                  device=FAKE_GPU, adaptive_speculation=False)
+        assert isinstance(gpu.target.lm_head.weight, FakeGpuTensor) and isinstance(gpu.draft.fc.weight, FakeGpuTensor)
+        assert [o.token_ids for o in gpu.generate(PROMPTS, greedy)] == plain
+        on_gpu = [o.token_ids for o in gpu.generate(PROMPTS, sampled)]
+    assert on_gpu == [o.token_ids for o in cpu.generate(PROMPTS, sampled)]
+
+
+@pytest.mark.parametrize("features", ["online", "disk"])
+def test_train_draft_on_the_device(tmp_path, features):
+    """On-policy responses, target features (per batch or extracted), distillation, a training vocabulary,
+    evaluation and saving, all on the device."""
+    target = write_tiny_target(tmp_path / "target", vocab_size=101, max_position_embeddings=1024)
+    write_char_tokenizer(target)
+    rng = random.Random(0)
+    with (tmp_path / "text.jsonl").open("w") as f:
+        for _ in range(40):
+            motif = [rng.randrange(10, 97) for _ in range(rng.randint(3, 6))]
+            f.write(json.dumps({"token_ids": (motif * 20)[: rng.randint(40, 80)]}) + "\n")
+    cfg = _cfg(tmp_path, tmp_path / "draft", target=str(target), data=f"responses:4,{tmp_path / 'text.jsonl'}",
+               mask_token_id=None, seq_len=1024, response_tokens=12, gen_batch_size=3, steps=3, eval_every=3,
+               features=features, distill=0.5, train_vocab=50, train_dtype="float32")
+    seen = []
+    real_step = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):  # the parameters the optimizer updates live on the device
+        seen.extend(isinstance(p, FakeGpuTensor) for group in self.param_groups for p in group["params"])
+        return real_step(self, *args, **kwargs)
+
+    with fake_gpu(), mock.patch.object(trainer, "resolve_device", lambda name: FAKE_GPU), \
+            mock.patch.object(torch.optim.AdamW, "step", step):
+        summary = train(cfg)
+    assert summary["step"] == 3 and summary["heldout_tau"] >= 1.0 and seen and all(seen)
+    draft = load_draft(tmp_path / "draft", ModelConfig.from_folder(target), torch.float32, CPU,
+                       token_to_id={"<mask>": 4}.get)
+    assert draft.config.block_size == 4
