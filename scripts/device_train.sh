@@ -6,15 +6,18 @@
 #        carry [".device/gguf.part1"]  command "mkdir -p /tmp/stash && cp .device/gguf.part1 /tmp/stash/"
 #        carry [".device/gguf.part2"]  command "mkdir -p /tmp/stash && cp .device/gguf.part2 /tmp/stash/"
 #        carry [".device/gguf.part3", ".device/gguf.sha256", ".device/humaneval.jsonl",
-#               ".device/gguf-0.19.0-py3-none-any.whl"]  command "bash scripts/device_train.sh"  timeout_s 590
+#               ".device/gguf-0.19.0-py3-none-any.whl"]  command "TOTAL=<T> bash scripts/device_train.sh"
+#        timeout_s 590, where T = min(570, status's budget_left_s - 60) read just before this call (the
+#        machine's start and the first two calls have spent part of the 15 minutes)
 #      (if the machine went cold between calls the stash is gone: the last call stops at once, "GGUF incomplete")
 #   3. here:   bash scripts/device_unpack.sh FILES_AT [DRAFT_DIR]         (the draft and the logs)
 #
-# Stages, each under its own time limit so one failure leaves the others their time: convert the
-# embedded target; the lossless property tests on the GPU (fp32); `bench` with the shipped draft in bf16
-# (DFlash vs plain decoding, outputs_match); on-policy responses for up to GEN_SECONDS; `train-draft` with
-# target features computed online for the time left (--time-budget); pack the draft (in parts under 16 MB)
-# and the logs.
+# Stages, each under its own time limit (then SIGINT: pytest prints its summary, train-draft saves a
+# checkpoint) so one failure leaves the others their time: convert the embedded target; the lossless
+# property tests on the GPU (fp32); `bench` with the shipped draft in fp32 (outputs_match must be 1.0) and
+# in bf16 (speed; a mismatch there can be a bf16 near-tie); on-policy responses for up to GEN_SECONDS;
+# `train-draft` with target features computed online for the time left (--time-budget), at block size 8
+# (a tau of 3 needs long blocks); pack the draft (in parts under 16 MB) and the logs.
 # Locally (a dry run of the plumbing): DEVICE=cpu DTYPE=float32 TOTAL=600 PY=.venv/bin/python TRAIN_ARGS=...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,10 +30,10 @@ TOTAL=${TOTAL:-570}  # the whole script's wall-clock limit (the device call's is
 GEN_SECONDS=${GEN_SECONDS:-150}
 MIN_TRAIN_SECONDS=${MIN_TRAIN_SECONDS:-120}
 GEN_BATCH=${GEN_BATCH:-256}
-RESPONSES=${RESPONSES:-40000}  # asked for; GEN_SECONDS decides how many are made
-BENCH_PROMPTS=${BENCH_PROMPTS:-10}
-TRAIN_ARGS=${TRAIN_ARGS:-"--init blockspec/drafts/smollm2-135m-dflash --num-draft-layers 3 --block-size 4
-  --distill 0.5 --train-vocab 16384 --lr 3e-4 --batch-size 64 --anchors-per-seq 64 --seq-len 512
+RESPONSES=${RESPONSES:-12000}  # asked for (2x as many prompts are built first); GEN_SECONDS decides how many are made
+BENCH_PROMPTS=${BENCH_PROMPTS:-5}
+TRAIN_ARGS=${TRAIN_ARGS:-"--init blockspec/drafts/smollm2-135m-dflash --num-draft-layers 3 --block-size 8
+  --features online --distill 0.5 --train-vocab 16384 --lr 3e-4 --batch-size 64 --anchors-per-seq 64 --seq-len 512
   --response-tokens 192 --eval-every 100 --eval-seqs 32 --eval-anchors 32"}
 WORK=${WORK:-/tmp/device-work}
 SITE=$WORK/site
@@ -45,7 +48,7 @@ stage() {  # stage SECONDS NAME COMMAND...: run with a limit, output to NAME.txt
     local limit=$1 name=$2
     shift 2
     log "$name (limit ${limit}s): $*"
-    timeout "$limit" "$@" >"$WORK/$name.txt" 2>&1
+    timeout -s INT -k 20 "$limit" "$@" >"$WORK/$name.txt" 2>&1
     local rc=$?
     tail -c 4000 "$WORK/$name.txt" | tr '\r' '\n' | grep -v '^\s*$' | tail -25 >>"$LOG"
     log "$name: rc $rc"
@@ -68,10 +71,12 @@ export PYTHONPATH=$SITE:$PWD
 
 stage 90 convert $PY -c "from blockspec.models.default_model import ensure_default_model; print(ensure_default_model())" \
     || exit 4
-BLOCKSPEC_TEST_DEVICE=$DEVICE stage 90 lossless_tests $PY -m pytest -q -x -p no:cacheprovider \
+BLOCKSPEC_TEST_DEVICE=$DEVICE stage 120 lossless_tests $PY -m pytest -q -x -p no:cacheprovider \
     tests/test_dflash_lossless.py -k "greedy_dflash_equals_plain or oracle or sampled_dflash"
-stage 100 bench_shipped $PY -m blockspec bench --device "$DEVICE" --dtype "$DTYPE" --dataset .device/humaneval.jsonl \
-    --num-prompts "$BENCH_PROMPTS" --max-new-tokens 128 --baseline ar --no-progress --json "$OUT/bench_shipped.json"
+for dtype in $(printf "%s\n" float32 "$DTYPE" | sort -u); do
+    stage 80 "bench_$dtype" $PY -m blockspec bench --device "$DEVICE" --dtype "$dtype" --dataset .device/humaneval.jsonl \
+        --num-prompts "$BENCH_PROMPTS" --max-new-tokens 128 --baseline ar --no-progress --json "$OUT/bench_$dtype.json"
+done
 
 # On-policy responses until GEN_SECONDS run out (the cache keeps every finished chunk), then train on them
 # for the time left, less ~60 s to load, evaluate, save and pack.

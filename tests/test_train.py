@@ -529,6 +529,8 @@ def test_steps_in_budget():
     # less the final evaluation's 2 s -> 46 more steps
     assert steps_in_budget(20, 10.0, 2.0, 1, 10, 40.0) == 66
     assert steps_in_budget(20, 50.0, 2.0, 1, 10, 40.0) == 20  # already over: no more steps
+    # the same rate after a 3 s first step (a GPU's warm-up), timed apart: 25 s left -> 41 more steps
+    assert steps_in_budget(21, 13.0, 2.0, 1, 10, 40.0, first_step=3.0) == 62
 
 
 def test_time_budget_fits_the_schedule_and_caps_at_steps(tiny):

@@ -30,14 +30,16 @@ class KVCache:
         device: torch.device | str,
     ) -> None:
         shape = (num_layers, num_slots, kv_heads, max_len, head_dim)
-        # torch.empty: pages are only touched (and so only use memory) when a sequence writes them.
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        # On the CPU, torch.empty: pages are only touched (and so only use memory) when a sequence writes
+        # them. A GPU allocates the whole slab anyway: zero it once instead of a few rows per slot per step.
+        lazy = torch.device(device).type == "cpu"
+        self.k = (torch.empty if lazy else torch.zeros)(shape, dtype=dtype, device=device)
+        self.v = (torch.empty if lazy else torch.zeros)(shape, dtype=dtype, device=device)
         # Per-layer views (fewer index ops per write). Not unbind(): its views refuse in-place writes in grad mode.
         self.k_layers = [self.k[i] for i in range(num_layers)]
         self.v_layers = [self.v[i] for i in range(num_layers)]
         self.max_len = max_len
-        self._clean_upto = [0] * num_slots  # rows below this are zeroed or written, per slot
+        self._clean_upto = [0 if lazy else max_len] * num_slots  # rows below this are zeroed or written, per slot
 
     def prepare(self, batch: "Batch", length: int) -> None:
         """Zero each row the coming forward may touch that no forward has touched yet (up to `length`).
@@ -92,6 +94,7 @@ class Batch:
 
     def __post_init__(self) -> None:
         self._slot_tensor: torch.Tensor | None = None
+        self._write_index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by n: built once, used per layer
         # slots lo, lo+1, ... in order: `KVCache.read` returns views (see ModelRunner.compact)
         first = self.slots[0] if self.slots else 0
         self.contiguous = bool(self.slots) and self.slots == list(range(first, first + len(self.slots)))
@@ -106,9 +109,9 @@ class Batch:
         return self._slot_tensor
 
     def write_index(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        slots = self.slot_tensor(device).view(-1, 1, 1)
-        pos = torch.tensor(self.starts, device=device).view(-1, 1, 1) + torch.arange(n, device=device).view(1, 1, n)
-        return slots, pos
+        if n not in self._write_index:
+            self._write_index[n] = (self.slot_tensor(device).view(-1, 1, 1), self.positions(n, device).unsqueeze(1))
+        return self._write_index[n]
 
     def positions(self, n: int, device: torch.device) -> torch.Tensor:
         """Absolute positions [b, n] of the n new tokens of each row."""

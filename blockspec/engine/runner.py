@@ -149,12 +149,12 @@ class ModelRunner:
 
     def target_outputs(self, seqs: list[Sequence], hidden: torch.Tensor) -> list[torch.Tensor]:
         """Per row of hidden [b, ..., H] (last layer, before the final norm): the target's greedy
-        token ids [...] for a greedy request, its fp32 logits [..., V] for a sampled one."""
+        token ids [...] (on the CPU) for a greedy request, its fp32 logits [..., V] for a sampled one."""
         greedy = [row for row, s in enumerate(seqs) if s.params.greedy]
         sampled = [row for row, s in enumerate(seqs) if not s.params.greedy]
         out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
         if greedy:
-            choices = self.greedy_tokens(hidden[greedy])
+            choices = self.greedy_tokens(hidden[greedy]).cpu()  # one device sync for the batch, not one per row
             for i, row in enumerate(greedy):
                 out[row] = choices[i]
         if sampled:
@@ -301,6 +301,7 @@ class ModelRunner:
         pending = torch.tensor([[s.pending_token] for s in seqs], device=self.device)
         hidden, features = self.target(torch.cat([pending, proposals], dim=1), batch, self.target_cache, self.capture)
         outputs = self.target_outputs(seqs, hidden)
+        host_proposals = proposals.cpu()
         if inject:
             # Context K/V for all rows: rows past a sequence's commit point are overwritten by the next
             # draft block (which starts right after the commit) before anything attends to them.
@@ -308,7 +309,7 @@ class ModelRunner:
         for row, seq in enumerate(seqs):
             n = (self.lookup_width if copied[row] else self.block_size) - 1
             if seq.params.greedy:
-                accepted, bonus = greedy_accept(proposals[row, :n], outputs[row][: n + 1])
+                accepted, bonus = greedy_accept(host_proposals[row, :n], outputs[row][: n + 1])
             else:
                 accepted, bonus = sampled_accept(proposals[row, :n], outputs[row][: n + 1], seq.params, seq.generator)
             seq.num_cached += accepted + 1
@@ -318,7 +319,7 @@ class ModelRunner:
                     seq.unfed_features.extend(features[row, : accepted + 1].unbind(0))
             else:
                 seq.accept_lengths.append(accepted + 1)
-            seq.emit(proposals[row, :accepted].tolist() + [bonus])
+            seq.emit(host_proposals[row, :accepted].tolist() + [bonus])
 
     @torch.inference_mode()
     def prefill_batch(self, seqs: list[Sequence], chunks: list[list[int]], use_draft: bool) -> torch.Tensor:

@@ -220,9 +220,13 @@ def cosine_with_warmup(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def steps_in_budget(done: int, elapsed: float, eval_seconds: float, evals: int, eval_every: int, budget: float) -> int:
+def steps_in_budget(done: int, elapsed: float, eval_seconds: float, evals: int, eval_every: int, budget: float,
+                    first_step: float = 0.0) -> int:
     """How many steps in all fit a time budget, from `done` steps having taken `elapsed` seconds, of which
-    `eval_seconds` went to `evals` evaluations: the steps to come, their periodic evaluations and a final one."""
+    `eval_seconds` went to `evals` evaluations: the steps to come, their periodic evaluations and a final one.
+    `first_step`: the first step's seconds, when given, are left out of the rate (on a GPU it carries the
+    one-off kernel and allocator warm-up)."""
     eval_cost = eval_seconds / max(1, evals)
-    per_step = (elapsed - eval_seconds) / done + eval_cost / eval_every
+    timed = done - 1 if first_step and done > 1 else done
+    per_step = (elapsed - eval_seconds - (first_step if timed < done else 0.0)) / timed + eval_cost / eval_every
     return done + max(0, int((budget - elapsed - eval_cost) / per_step))

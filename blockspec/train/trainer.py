@@ -270,6 +270,7 @@ class Trainer:
         weights = loss_weights(self.draft_cfg.block_size, cfg.loss_gamma).to(self.device)
         stop = self.total_steps if cfg.stop_after_steps is None else min(self.total_steps, step + cfg.stop_after_steps)
         ema, seq_tokens, eval_seconds, evals, t0, first = None, 0, 0.0, 0, time.perf_counter(), step
+        first_step_seconds = 0.0
         bar = tqdm(total=self.total_steps, initial=step, desc="train-draft", unit="step")
         loader = ThreadPoolExecutor(max_workers=1)
         upcoming = loader.submit(self.batch, "train", self.step_indices(step)) if step < stop else None
@@ -290,6 +291,8 @@ class Trainer:
                 self.sched.step()
                 self.opt.zero_grad(set_to_none=True)
                 step, seq_tokens = step + 1, seq_tokens + n_tok
+                if step == first + 1:
+                    first_step_seconds = time.perf_counter() - t0
                 ema = info["loss"] if ema is None else 0.95 * ema + 0.05 * info["loss"]
                 record = {"step": step, "loss": round(info["loss"], 4), "acc1": round(info["acc1"], 4)}
                 calibrate = not calibrated and step >= 3 and (
@@ -305,7 +308,7 @@ class Trainer:
                 # The length is fitted at the calibration step and refined at each evaluation of the first half.
                 if fitting and (calibrate or (calibrated and evaluated and 2 * step < self.total_steps)):
                     fitted = steps_in_budget(step, elapsed, eval_seconds, evals, cfg.eval_every,
-                                             BUDGET_AIM * cfg.time_budget)
+                                             BUDGET_AIM * cfg.time_budget, first_step_seconds)
                     self.total_steps = max(step, min(cfg.steps or UNBOUNDED_STEPS, fitted))
                     self.warmup = max(CALIBRATION_STEPS, round(cfg.warmup_ratio * self.total_steps))
                     stop = self.total_steps if cfg.stop_after_steps is None else min(self.total_steps, stop)
