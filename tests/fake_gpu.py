@@ -1,12 +1,12 @@
 """A stand-in accelerator on a CPU-only machine, to catch device bugs before a GPU ever runs the code.
 
-`FAKE_GPU` is PyTorch's spare backend slot (privateuseone, named "fakegpu") given a Python device guard. Tensors asked for on
-it (factories with `device=FAKE_GPU`, `.to(FAKE_GPU)`, a module's parameters) are real CPU tensors wrapped in
-`FakeGpuTensor`, whose `.device` is the fake one. Every op runs for real on the CPU data (values, `.item()`,
-`.tolist()`, autograd all work), but first checks the rules CUDA enforces: no op mixes accelerator tensors
-with CPU tensors (0-dim CPU scalars, and CPU indices in indexing, excepted), and no CPU generator samples
-accelerator tensors. So the engine and the trainer run end to end on the fake device, and a tensor made
-without `device=` that meets a device tensor raises the error the GPU would raise.
+`FAKE_GPU` is PyTorch's spare backend slot (privateuseone, named "fakegpu") given a Python device guard.
+Tensors asked for on it (factories with `device=FAKE_GPU`, `.to(FAKE_GPU)`, a module's parameters) are
+real CPU tensors wrapped in `FakeGpuTensor`, whose `.device` is the fake one. Every op runs for real on the
+CPU data (values, `.item()`, `.tolist()`, autograd all work), but first checks the rules CUDA enforces: no
+op mixes accelerator tensors with CPU tensors (0-dim CPU scalars, and CPU indices in indexing, excepted),
+and no CPU generator samples accelerator tensors. So the engine and the trainer run end to end on the fake
+device, and a tensor made without `device=` that meets a device tensor raises the error the GPU would raise.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from unittest import mock
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
-
 
 
 class _BackendModule(torch.utils.backend_registration._DummyBackendModule):
@@ -89,12 +88,8 @@ def _run(func, args, kwargs):
     _check(func, flat, to_gpu or any(isinstance(x, FakeGpuTensor) for x in flat))
     if to_gpu:
         kwargs = {**kwargs, "device": torch.device("cpu")}
-    if "device" in kwargs:  # a factory, .to(device), .cpu(): the output lives where it was asked for
-        on_gpu = to_gpu
-    else:
-        on_gpu = any(isinstance(x, FakeGpuTensor) for x in flat)
-    if func is aten.is_pinned.default:
-        return False
+    # a factory, .to(device), .cpu(): the output lives where it was asked for; any other op where its inputs do
+    on_gpu = to_gpu if "device" in kwargs else any(isinstance(x, FakeGpuTensor) for x in flat)
     args, kwargs = tree_map(lambda x: x.elem if isinstance(x, FakeGpuTensor) else x, (args, kwargs))
     out = func(*args, **kwargs)
     if func is aten._local_scalar_dense.default or not on_gpu:
@@ -120,7 +115,7 @@ def _built_on_cpu(make):
 
     def build(data, *args, device=None, **kwargs):
         out = make(data, *args, **kwargs)
-        return out.to(device) if _on_fake_gpu(device) else out if device is None else out.to(device)
+        return out if device is None else out.to(device)
 
     return build
 

@@ -227,6 +227,6 @@ def steps_in_budget(done: int, elapsed: float, eval_seconds: float, evals: int, 
     `first_step`: the first step's seconds, when given, are left out of the rate (on a GPU it carries the
     one-off kernel and allocator warm-up)."""
     eval_cost = eval_seconds / max(1, evals)
-    timed = done - 1 if first_step and done > 1 else done
-    per_step = (elapsed - eval_seconds - (first_step if timed < done else 0.0)) / timed + eval_cost / eval_every
+    timed_steps, timed_seconds = (done - 1, elapsed - first_step) if first_step and done > 1 else (done, elapsed)
+    per_step = (timed_seconds - eval_seconds) / timed_steps + eval_cost / eval_every
     return done + max(0, int((budget - elapsed - eval_cost) / per_step))
