@@ -1,8 +1,6 @@
 """The GPU path without a GPU: the engine and train-draft run end to end on a stand-in device (fake_gpu.py)
 that enforces CUDA's device rules, so a tensor left on the CPU fails here instead of in a rare GPU session."""
 
-import json
-import random
 from unittest import mock
 
 import pytest
@@ -15,7 +13,7 @@ from blockspec.models.loader import load_draft
 from blockspec.sampling_params import SamplingParams
 from blockspec.train.trainer import train
 from tests.fake_gpu import FAKE_GPU, FakeGpuTensor, fake_gpu
-from tests.test_train import _cfg, write_char_tokenizer
+from tests.test_train import _cfg, write_char_tokenizer, write_motif_text
 from tests.tiny import write_tiny_draft, write_tiny_target, write_tiny_tokenizer
 
 CPU = torch.device("cpu")
@@ -72,11 +70,7 @@ def test_train_draft_on_the_device(tmp_path, features):
     evaluation and saving, all on the device."""
     target = write_tiny_target(tmp_path / "target", vocab_size=101, max_position_embeddings=1024)
     write_char_tokenizer(target)
-    rng = random.Random(0)
-    with (tmp_path / "text.jsonl").open("w") as f:
-        for _ in range(40):
-            motif = [rng.randrange(10, 97) for _ in range(rng.randint(3, 6))]
-            f.write(json.dumps({"token_ids": (motif * 20)[: rng.randint(40, 80)]}) + "\n")
+    write_motif_text(tmp_path / "text.jsonl", 40)
     cfg = _cfg(tmp_path, tmp_path / "draft", target=str(target), data=f"responses:4,{tmp_path / 'text.jsonl'}",
                mask_token_id=None, seq_len=1024, response_tokens=12, gen_batch_size=3, steps=3, eval_every=3,
                features=features, distill=0.5, train_vocab=50, train_dtype="float32")

@@ -99,12 +99,17 @@ def test_cosine_schedule_warms_up_then_decays():
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("train")
     write_tiny_target(folder / "target", num_hidden_layers=4)
+    write_motif_text(folder / "data.jsonl", 120)
+    return folder
+
+
+def write_motif_text(path, rows: int) -> None:
+    """Repetitive token streams as `--data` JSONL: something learnable."""
     rng = random.Random(0)
-    with (folder / "data.jsonl").open("w") as f:  # repetitive token streams: something learnable
-        for _ in range(120):
+    with path.open("w") as f:
+        for _ in range(rows):
             motif = [rng.randrange(10, 97) for _ in range(rng.randint(3, 6))]
             f.write(json.dumps({"token_ids": (motif * 20)[: rng.randint(40, 80)]}) + "\n")
-    return folder
 
 
 def test_forward_train_matches_inference_path(tiny):
