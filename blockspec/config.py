@@ -1,125 +1,118 @@
-"""Target model configuration: parsed from a Hugging Face `config.json`, validated at the boundary."""
+"""`EngineConfig`: every setting that shapes an engine, validated once, whichever way it comes in
+(`LLM(...)`, the command line, the server, bench). The CLI's model and engine flags are declared here too,
+next to the fields they set (flag names follow SGLang's)."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-from pathlib import Path
+import argparse
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-from blockspec.errors import ModelLoadError
+from blockspec.errors import BlockspecError
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen3ForCausalLM": "qwen3",
-}
+if TYPE_CHECKING:
+    import torch
+
+ALGORITHMS = ("DFLASH", "NONE")
+# The command-line flag of each field whose name differs, for error messages.
+FLAGS = {"max_num_seqs": "--max-running-requests", "max_total_tokens": "--max-total-tokens",
+         "prefill_tokens_per_step": "--prefill-tokens-per-step", "max_model_len": "--max-model-len",
+         "threads": "--threads", "block_size": "--block-size", "mask_token_id": "--mask-token-id", "seed": "--seed"}
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """The fields our target runtime needs; everything else in config.json is ignored."""
+class EngineConfig:
+    model_path: str | None = None  # a Hugging Face target folder; None: the embedded SmolLM2-135M-Instruct
+    draft_model_path: str | None = None  # a z-lab DFlash draft; None: the shipped draft of the embedded target
+    speculative_algorithm: str | None = None  # "DFLASH", "NONE" (plain decoding), None: DFLASH if a draft is at hand
+    block_size: int | None = None  # DFlash block size; None: the draft's own
+    mask_token_id: int | None = None  # overrides the draft's mask token
+    mask_token: str | None = None
+    device: str | torch.device | None = "auto"  # resolved to a torch.device
+    dtype: str | torch.dtype | None = "auto"  # resolved to a torch.dtype (auto: fp32 on CPU, bf16 on CUDA)
+    seed: int | None = None  # torch's global seed (requests carry their own)
+    max_model_len: int | None = None  # context length; None: min(max_position_embeddings, 4096)
+    max_num_seqs: int = 8  # requests decoded together, one KV slot each
+    max_total_tokens: int | None = None  # KV budget in tokens; None: every slot can hold a full context
+    prefill_tokens_per_step: int | None = None  # prompt tokens prefilled per engine step (None: 512)
+    adaptive_speculation: bool = True  # a plain step where speculating is not expected to pay
+    prompt_lookup_ngram: int = 2  # propose a context copy after a match of >= N tokens (0: off)
+    prompt_lookup_block_size: int | None = None  # tokens verified per lookup step; None: max(4, block size)
+    threads: int | None = None  # torch intra-op CPU threads (None: torch's choice)
 
-    family: str  # "llama" or "qwen3"
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    def __post_init__(self) -> None:
+        from blockspec.device import resolve_device, resolve_dtype  # torch: imported when a config is made
 
-    @property
-    def qk_norm(self) -> bool:
-        return self.family == "qwen3"
-
-    @classmethod
-    def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
-        archs = raw.get("architectures") or []
-        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if family is None:
-            raise ModelLoadError(
-                f"{source}: unsupported architecture {archs!r}. blockspec runs targets of these "
-                f"architectures: {sorted(SUPPORTED_ARCHITECTURES)}. Use a Llama-family or Qwen3 checkpoint."
-            )
-
-        def need_int(name: str, minimum: int = 1) -> int:
-            value = raw.get(name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ModelLoadError(
-                    f"{source}: field {name}={value!r} must be an integer >= {minimum}. "
-                    f"Fix the checkpoint's config.json."
-                )
-            return value
-
-        hidden = need_int("hidden_size")
-        heads = need_int("num_attention_heads")
-        kv_heads = raw.get("num_key_value_heads") or heads
-        head_dim = raw.get("head_dim") or hidden // heads
-        if heads % kv_heads:
-            raise ModelLoadError(
-                f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}."
-            )
-        # transformers >= 5 writes `rope_parameters` (theta inside); older checkpoints use rope_scaling + rope_theta.
-        rope_parameters = raw.get("rope_parameters") or {}
-        rope_theta = float(rope_parameters.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        rope_scaling = raw.get("rope_scaling") or (rope_parameters if rope_parameters.get("rope_type") not in (None, "default") else None)
-        if rope_scaling is not None:
-            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-            if kind not in ("llama3", "default", "linear"):
-                raise ModelLoadError(
-                    f"{source}: rope_scaling type {kind!r} is not supported (supported: llama3, linear, default)."
-                )
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelLoadError(f"{source}: hidden_act={act!r} is not supported; only silu (SwiGLU) is.")
-        return cls(
-            family=family,
-            vocab_size=need_int("vocab_size"),
-            hidden_size=hidden,
-            num_hidden_layers=need_int("num_hidden_layers"),
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            intermediate_size=need_int("intermediate_size"),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)),
-            mlp_bias=bool(raw.get("mlp_bias", False)),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
+        algorithm = (self.speculative_algorithm or "").upper() or None
+        if algorithm is not None and algorithm not in ALGORITHMS:
+            raise BlockspecError(f"speculative_algorithm={self.speculative_algorithm!r} is not supported; "
+                                 f"use one of {ALGORITHMS}.")
+        object.__setattr__(self, "speculative_algorithm", algorithm)
+        device = resolve_device(self.device)
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
+        if not isinstance(self.adaptive_speculation, bool):
+            raise BlockspecError(f"adaptive_speculation={self.adaptive_speculation!r} must be True or False.")
+        ngram = self.prompt_lookup_ngram
+        if isinstance(ngram, bool) or not isinstance(ngram, int) or ngram < 0:
+            raise BlockspecError(f"prompt_lookup_ngram={ngram!r} must be an integer >= 1 (the shortest context "
+                                 f"match whose continuation is proposed), or 0 to turn prompt lookup off.")
+        width = self.prompt_lookup_block_size
+        if width is not None and (not _positive(width) or not 2 <= width <= 64):
+            raise BlockspecError(f"prompt_lookup_block_size={width!r} must be an integer in [2, 64] (the pending "
+                                 f"token + the proposed tokens verified in one pass), or None for max(4, block size).")
+        for name in ("max_num_seqs", "max_total_tokens", "prefill_tokens_per_step", "max_model_len", "threads"):
+            value = getattr(self, name)
+            if value is not None and not _positive(value):
+                raise BlockspecError(f"{name}={value!r} ({FLAGS[name]}) must be an integer >= 1.")
+        for name in ("block_size", "mask_token_id", "seed"):  # their ranges are the draft's and torch's to check
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise BlockspecError(f"{name}={value!r} ({FLAGS[name]}) must be an integer.")
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> "ModelConfig":
-        hint = (
-            "Pass --model-path pointing at a Hugging Face checkpoint folder (config.json + *.safetensors), "
-            "or omit it to use the embedded SmolLM2."
-        )
-        path, raw = read_config_json(folder, "Model", hint)
-        return cls.from_dict(raw, source=str(path))
+    def from_args(cls, args: argparse.Namespace, **overrides) -> EngineConfig:
+        """From parsed command-line flags (their dests are the field names)."""
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**{**given, **overrides})
 
 
-def read_config_json(folder: str | Path, kind: str, hint: str) -> tuple[Path, dict]:
-    """The parsed config.json of a checkpoint folder, with errors that say which folder and what to pass."""
-    path = Path(folder) / "config.json"
-    if not Path(folder).is_dir():
-        raise ModelLoadError(f"{kind} folder {str(folder)!r} does not exist. {hint}")
-    if not path.is_file():
-        raise ModelLoadError(f"{path} is missing: a {kind.lower()} folder needs its config.json. {hint}")
-    try:
-        return path, json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{path} is not valid JSON ({exc}). Re-download or rewrite it.") from exc
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model-path", default=None, help="HF target folder (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--draft-model-path", "--speculative-draft-model-path", dest="draft_model_path", default=None)
+    g.add_argument("--speculative-algorithm", type=str.upper, choices=list(ALGORITHMS), default=None)
+    g.add_argument("--block-size", "--speculative-num-draft-tokens", "--speculative-dflash-block-size",
+                   dest="block_size", type=int, default=None)
+    g.add_argument("--speculative-dflash-mask-token", dest="mask_token", default=None)
+    g.add_argument("--mask-token-id", type=int, default=None)
+    g.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default="auto")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=True,
+                   help="take a plain decode step instead of a DFlash step when the measured step costs and "
+                        "acceptance say it is faster (output is identical either way; default: on)")
+    g.add_argument("--prompt-lookup-ngram", type=int, default=2, metavar="N",
+                   help="DFlash requests: when the context already holds the last N (or more, up to 8) tokens, "
+                        "propose what followed them there instead of drafting (output is identical either way; "
+                        "0: off; default: 2)")
+    g.add_argument("--prompt-lookup-block-size", type=int, default=None, metavar="W",
+                   help="tokens verified per prompt-lookup step, the pending one included (default: max(4, B))")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's choice)")
+
+
+def add_serving_args(p: argparse.ArgumentParser, default_running: int) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-running-requests", dest="max_num_seqs", type=int, default=default_running,
+                   help=f"requests decoded together, one KV slot each (default {default_running})")
+    g.add_argument("--max-total-tokens", "--kv-budget-tokens", dest="max_total_tokens", type=int, default=None,
+                   help="KV memory budget in tokens, shared by target and draft caches (each token is one row in "
+                        "both); when running requests outgrow it the youngest is preempted and recomputed later "
+                        "(default: every slot can hold a full-context request, so nothing is ever preempted)")
+    g.add_argument("--prefill-tokens-per-step", type=int, default=None,
+                   help="prompt tokens prefilled per engine step alongside decoding (default 512)")

@@ -54,3 +54,13 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype not in DTYPES:
         raise BlockspecError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)} or 'auto'.")
     return DTYPES[dtype]
+
+
+def set_threads(threads: int | None) -> None:
+    """torch's intra-op CPU threads (None: leave torch's choice). On a shared 2-core machine one thread per
+    process avoids OpenMP threads spinning against each other."""
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise BlockspecError(f"--threads={threads!r} must be an integer >= 1.")
+    torch.set_num_threads(threads)

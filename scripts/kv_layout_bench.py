@@ -9,7 +9,8 @@ import time
 
 import torch
 
-from blockspec.models.layers import attention
+from blockspec.layers.attention import attention
+from blockspec.layers.forward_batch import fold_mask
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
 
@@ -27,7 +28,8 @@ def main() -> None:
             pool_v = torch.randn(4 * pages, PAGE, KV_HEADS, HEAD_DIM)
             table = torch.randperm(4 * pages)[:pages]
             q = torch.randn(1, q_len, HEADS, HEAD_DIM)
-            mask = None if q_len == 1 else torch.ones(1, q_len, length, dtype=torch.bool).tril(length - q_len)
+            causal = torch.ones(1, q_len, length, dtype=torch.bool).tril(length - q_len)
+            mask = None if q_len == 1 else fold_mask(causal, HEADS // KV_HEADS, torch.float32)
 
             def slab() -> None:
                 attention(q, slab_k[:, :, :length], slab_v[:, :, :length], mask)

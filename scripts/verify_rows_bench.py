@@ -13,10 +13,11 @@ import time
 
 import torch
 
-from blockspec.engine.kv_cache import Batch
-from blockspec.engine.layout_tuning import CANDIDATES, apply_plan
+from blockspec.layers.forward_batch import ForwardBatch
+from blockspec.layers.kv_cache import KVCache
+from blockspec.layers.layout_tuning import CANDIDATES, apply_plan
+from blockspec.layers.linear import Linear
 from blockspec.models.default_model import ensure_default_model
-from blockspec.models.layers import Linear
 from blockspec.models.loader import load_target
 
 CAPTURE = (1, 8, 14, 20, 27)
@@ -31,17 +32,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target = load_target(ensure_default_model(), torch.float32, torch.device("cpu"))
     target.fold_norm_weights()
-    layers = [m for m in target.modules() if isinstance(m, Linear) and m is not target.lm_head]
+    layers = [m for m in target.modules() if isinstance(m, Linear)]  # the LM head included, never copied
     cases = [("nn", 1)] + [(layout, int(r)) for r in args.rows.split(",") for layout in CANDIDATES]
-    cache = target.new_cache(1, 512)
+    cache = KVCache.for_model(target, 1, 512)
     times: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
     with torch.inference_mode():
-        target(torch.randint(0, 1000, (1, 300)), Batch([0], [0]), cache)
+        target(ForwardBatch.in_cache(cache, [0], [0], torch.randint(0, 1000, (1, 300))))
         for _ in range(args.rounds):
             for layout, rows in cases:
-                apply_plan(layers, [target.lm_head], {rows: layout})  # copies are reused between plans
+                apply_plan(layers, {rows: layout})  # copies are reused between plans
                 start = time.perf_counter()
-                hidden, _ = target(torch.randint(0, 1000, (1, rows)), Batch([0], [300]), cache, CAPTURE)
+                ids = torch.randint(0, 1000, (1, rows))
+                hidden, _ = target(ForwardBatch.in_cache(cache, [0], [300], ids), CAPTURE)
                 target.logits(hidden).argmax(-1)
                 times[(layout, rows)].append(time.perf_counter() - start)
     one = statistics.median(times[("nn", 1)][3:])

@@ -10,7 +10,7 @@ import pytest
 
 from blockspec.bench.datasets import HUMANEVAL_TEMPLATE, load_dataset, select_subset
 from blockspec.cli import main
-from blockspec.config import ModelConfig
+from blockspec.models.config import ModelConfig
 from blockspec.errors import BlockspecError
 from tests.tiny import write_tiny_draft, write_tiny_target
 

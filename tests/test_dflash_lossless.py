@@ -11,16 +11,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blockspec.config import ModelConfig
-from blockspec.engine.engine import run_to_completion
-from blockspec.engine.kv_cache import Batch
 from blockspec.engine.sampler import filtered_probs
-from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
-from blockspec.models.argmax_head import Int8ArgmaxHead
+from blockspec.layers.int8_head import Int8ArgmaxHead
+from blockspec.models.config import ModelConfig
 from blockspec.models.loader import load_draft, load_target
 from blockspec.sampling_params import SamplingParams
-from tests.tiny import ScriptedGovernor, write_tiny_draft, write_tiny_target
+from blockspec.train.features import causal_batch
+from tests.tiny import ScriptedGovernor, TinyEngine, write_tiny_draft, write_tiny_target
 
 BLOCK_SIZES = (2, 4, 8, 16)
 DRAFT_VOCAB = torch.cat([torch.arange(0, 12), torch.arange(12, 97, 3)])  # the tiny target has 97 ids
@@ -43,17 +41,20 @@ def models(request, tmp_path_factory):
     cfg = ModelConfig.from_folder(folder / "target")
     write_tiny_draft(folder / "draft", cfg, block_size=16)
     target = load_target(folder / "target", torch.float32, DEVICE)
-    runners = {}
+    engines = {}
     for size in BLOCK_SIZES:
         draft = load_draft(folder / "draft", cfg, torch.float32, DEVICE, cli_block_size=size)
-        runners[size] = ModelRunner(target, draft, size, draft.config.mask_token_id, num_slots=4, max_len=160)
-    return runners
+        engines[size] = TinyEngine(target, draft, size, num_slots=4, max_len=160)
+    return engines
 
 
-def generate(runner, prompts, params, stops, use_draft):
-    seqs = [Sequence(p, params, frozenset(stops)) for p in prompts]
-    run_to_completion(runner, seqs, use_draft)
-    return seqs
+def generate(engine, prompts, params, stops, use_draft):
+    return engine.run([Sequence(p, params, frozenset(stops)) for p in prompts], use_draft)
+
+
+def use_int8_head(engine, on: bool) -> None:
+    head = engine.runner.target.lm_head
+    head.int8 = Int8ArgmaxHead(head.weight) if on else None
 
 
 prompt_st = st.lists(st.integers(0, 96), min_size=1, max_size=60)
@@ -72,45 +73,47 @@ prompt_st = st.lists(st.integers(0, 96), min_size=1, max_size=60)
 )
 def test_greedy_dflash_equals_plain(models, prompts, size, max_tokens, stops, int8_head, draft_vocab, script,
                                     lookup):
-    runner = models[size]
+    engine = models[size]
     # adaptive speculation's mix of DFlash and plain steps (which leave the draft a backlog to catch up on)
-    runner.governor = None if script is None else ScriptedGovernor(script)
+    engine.dflash.governor = None if script is None else ScriptedGovernor(script)
     # prompt-lookup steps (min n-gram, width) in between, which leave the draft a backlog too
-    runner.lookup_ngram, runner.lookup_width = lookup
-    runner.set_block_size(size)  # the runners share one target: pack its weights for this block size
-    # both LM-head paths on any CPU: plain fp32, and the int8 one used where bf16 matmuls are fast
-    use_int8 = int8_head and DEVICE.type == "cpu"
-    runner.argmax_head = Int8ArgmaxHead(runner.target.lm_head.weight) if use_int8 else None
-    runner.draft.vocab = DRAFT_VOCAB.to(DEVICE) if draft_vocab else None  # proposals from a subset of the tokens
+    engine.speculation.lookup_ngram, engine.speculation.lookup_width = lookup
+    engine.set_block_size(size)  # the engines share one target: lay its weights out for this block size
+    # both LM-head paths on any CPU: plain fp32, and the int8 one (CPU only)
+    use_int8_head(engine, int8_head and DEVICE.type == "cpu")
+    draft = engine.runner.draft
+    draft.vocab = DRAFT_VOCAB.to(DEVICE) if draft_vocab else None  # proposals from a subset of the tokens
     params = SamplingParams(max_tokens=max_tokens)
-    plain = generate(runner, prompts, params, stops, use_draft=False)
-    spec = generate(runner, prompts, params, stops, use_draft=True)
+    plain = generate(engine, prompts, params, stops, use_draft=False)
+    spec = generate(engine, prompts, params, stops, use_draft=True)
     for p, s in zip(plain, spec):
         assert s.output_ids == p.output_ids
         assert s.finish_reason == p.finish_reason
-        assert all(1 <= a <= size for a in s.accept_lengths)
-        assert all(1 <= a <= runner.lookup_width for a in s.lookup_accept_lengths)
-        assert len(s.output_ids) <= sum(s.accept_lengths) + sum(s.lookup_accept_lengths) + s.plain_steps + 1
-    assert runner.pool.num_free == runner.pool.num_slots  # every slot came back
-    runner.draft.vocab, runner.governor, runner.lookup_ngram = None, None, 0
+        assert all(1 <= a <= size for a in s.stats.accept_lengths)
+        assert all(1 <= a <= engine.speculation.lookup_width for a in s.stats.lookup_accept_lengths)
+        assert len(s.output_ids) <= sum(s.stats.accept_lengths) + sum(s.stats.lookup_accept_lengths) + \
+            s.stats.plain_steps + 1
+    assert engine.runner.pool.num_free == engine.runner.pool.num_slots  # every slot came back
+    draft.vocab, engine.dflash.governor, engine.speculation.lookup_ngram = None, None, 0
 
 
 @pytest.mark.parametrize("int8_head", [False, True])
 def test_draft_vocab_bounds_the_proposals(models, int8_head):
     if int8_head and DEVICE.type != "cpu":
         pytest.skip("the int8 head is CPU-only")
-    runner = models[4]
-    runner.set_block_size(4)
-    runner.argmax_head = Int8ArgmaxHead(runner.target.lm_head.weight) if int8_head else None
-    proposed, draft_tokens = [], runner.draft_tokens
-    runner.draft_tokens = lambda *a: proposed.append(draft_tokens(*a)) or proposed[-1]
-    runner.draft.vocab = DRAFT_VOCAB.to(DEVICE)
+    engine = models[4]
+    engine.set_block_size(4)
+    use_int8_head(engine, int8_head)
+    proposer = engine.dflash.draft
+    proposed, propose = [], proposer.propose
+    proposer.propose = lambda *a: proposed.append(propose(*a)) or proposed[-1]
+    engine.runner.draft.vocab = DRAFT_VOCAB.to(DEVICE)
     try:
-        plain = generate(runner, [[1, 2, 3]], SamplingParams(max_tokens=40), [], use_draft=False)[0]
-        spec = generate(runner, [[1, 2, 3]], SamplingParams(max_tokens=40), [], use_draft=True)[0]
+        plain = generate(engine, [[1, 2, 3]], SamplingParams(max_tokens=40), [], use_draft=False)[0]
+        spec = generate(engine, [[1, 2, 3]], SamplingParams(max_tokens=40), [], use_draft=True)[0]
     finally:
-        runner.draft.vocab = None
-        del runner.draft_tokens
+        engine.runner.draft.vocab = None
+        del proposer.propose
     assert spec.output_ids == plain.output_ids
     assert torch.isin(torch.cat(proposed).flatten().cpu(), DRAFT_VOCAB).all()
 
@@ -118,13 +121,13 @@ def test_draft_vocab_bounds_the_proposals(models, int8_head):
 @pytest.mark.parametrize("size", BLOCK_SIZES)
 def test_mask_token_as_real_output_survives(models, size):
     """The mask id is an ordinary token in the output: nothing is filtered by value."""
-    runner = models[size]
-    plain = generate(runner, [[1, 2, 3]], SamplingParams(max_tokens=40), [], use_draft=False)[0]
-    runner.mask_token_id = plain.output_ids[3]
+    engine = models[size]
+    plain = generate(engine, [[1, 2, 3]], SamplingParams(max_tokens=40), [], use_draft=False)[0]
+    engine.dflash.draft.mask_token_id = engine.speculation.mask_token_id = plain.output_ids[3]
     try:
-        spec = generate(runner, [[1, 2, 3]], SamplingParams(max_tokens=40), [], use_draft=True)[0]
+        spec = generate(engine, [[1, 2, 3]], SamplingParams(max_tokens=40), [], use_draft=True)[0]
     finally:
-        runner.mask_token_id = 5
+        engine.dflash.draft.mask_token_id = engine.speculation.mask_token_id = 5
     assert spec.output_ids == plain.output_ids
 
 
@@ -132,34 +135,32 @@ def test_mask_token_as_real_output_survives(models, size):
 def test_oracle_draft_is_fully_accepted(models, size):
     """A draft that proposes the target's own greedy continuation gives tau == B on every full step:
     this checks acceptance and commit bookkeeping, not just losslessness."""
-    runner = models[size]
+    engine = models[size]
     prompt, params = [7, 8, 9, 10], SamplingParams(max_tokens=50)
-    reference = generate(runner, [prompt], params, [], use_draft=False)[0].output_ids
+    reference = generate(engine, [prompt], params, [], use_draft=False)[0].output_ids
 
-    def oracle(seqs, block, batch):
+    def oracle(seqs, block_size):
         rows = []
         for seq in seqs:
             done = len(seq.output_ids)
-            future = reference[done : done + size - 1]
-            rows.append(future + [0] * (size - 1 - len(future)))
+            future = reference[done : done + block_size - 1]
+            rows.append(future + [0] * (block_size - 1 - len(future)))
         return torch.tensor(rows, device=DEVICE)
 
-    runner.draft_tokens = oracle
+    engine.dflash.draft.propose = oracle
     try:
-        seq = generate(runner, [prompt], params, [], use_draft=True)[0]
+        seq = generate(engine, [prompt], params, [], use_draft=True)[0]
     finally:
-        del runner.draft_tokens
+        del engine.dflash.draft.propose
     assert seq.output_ids == reference
     full_steps = (params.max_tokens - 1) // size
-    assert seq.accept_lengths[:full_steps] == [size] * full_steps
+    assert seq.stats.accept_lengths[:full_steps] == [size] * full_steps
 
 
 @torch.inference_mode()
 def exact_next(target, prefixes: list[list[int]], params) -> torch.Tensor:
     """The target's filtered next-token distribution after each prefix (all of one length)."""
-    cache = target.new_cache(len(prefixes), len(prefixes[0]) + 1)
-    ids = torch.tensor(prefixes, device=target.embed_tokens.weight.device)
-    hidden, _ = target(ids, Batch(list(range(len(prefixes))), [0] * len(prefixes)), cache)
+    hidden, _ = target(causal_batch(torch.tensor(prefixes, device=target.device)))
     return filtered_probs(target.logits(hidden[:, -1]), params).cpu()
 
 
@@ -183,14 +184,14 @@ def worst_deviation(folder, params, lookup_ngram: int = 0) -> float:
     write_tiny_draft(folder / "d", cfg, block_size=4, mask_token_id=15)
     target = load_target(folder / "t", torch.float32, DEVICE)
     draft = load_draft(folder / "d", cfg, torch.float32, DEVICE)
-    runner = ModelRunner(target, draft, 4, 15, num_slots=64, max_len=32, lookup_ngram=lookup_ngram, lookup_width=4)
+    engine = TinyEngine(target, draft, 4, num_slots=64, max_len=32, lookup=(lookup_ngram, 4))
     prompt = [(7 * i + 3) % 16 for i in range(16)] if lookup_ngram else [3, 1]
     sp, n = SamplingParams(max_tokens=3, **params), 8000
     seqs = [Sequence(prompt, SamplingParams(max_tokens=3, seed=i, **params), frozenset()) for i in range(n)]
-    run_to_completion(runner, seqs, use_draft=True)
+    engine.run(seqs, use_draft=True)
     outputs = [tuple(s.output_ids) for s in seqs]
     if lookup_ngram:
-        assert all(s.lookup_accept_lengths and not s.accept_lengths for s in seqs)
+        assert all(s.stats.lookup_accept_lengths and not s.stats.accept_lengths for s in seqs)
 
     first = exact_next(target, [prompt], sp)[0]
     t1_support = [t for t in range(16) if first[t] > 0]
@@ -223,7 +224,7 @@ def test_sampled_prompt_lookup_has_target_distribution(tmp_path):
 def test_distribution_check_catches_a_biased_rule(tmp_path, monkeypatch):
     """Negative control: resampling the bonus from p without removing the rejected draft token
     (a classic bug) over-produces that token and must fail the same check."""
-    import blockspec.engine.runner as runner_module
+    import blockspec.speculative.accept as accept_module
 
     def biased(drafts, logits, params, generator):
         probs = filtered_probs(logits, params).cpu()  # draws on the request's (CPU) generator
@@ -233,50 +234,52 @@ def test_distribution_check_catches_a_biased_rule(tmp_path, monkeypatch):
                 return i, int(torch.multinomial(probs[i], 1, generator=generator))
         return drafts.shape[0], int(torch.multinomial(probs[-1], 1, generator=generator))
 
-    monkeypatch.setattr(runner_module, "sampled_accept", biased)
+    monkeypatch.setattr(accept_module, "sampled_accept", biased)
     assert worst_deviation(tmp_path, dict(temperature=1.0)) > 5.0
 
 
 def test_prompt_lookup_steps_skip_the_draft(models):
     """A request whose context repeats takes prompt-lookup steps (no draft pass), accepts copies, and
     still matches plain decoding; the draft's backlog of their features is caught up before it drafts."""
-    runner = models[4]
-    runner.lookup_ngram, runner.lookup_width = 1, 6
-    runner.set_block_size(4)
-    drafted, draft_tokens = [], runner.draft_tokens
-    runner.draft_tokens = lambda *a: drafted.append(1) or draft_tokens(*a)
+    engine = models[4]
+    engine.speculation.lookup_ngram, engine.speculation.lookup_width = 1, 6
+    engine.set_block_size(4)
+    proposer = engine.dflash.draft
+    drafted, propose = [], proposer.propose
+    proposer.propose = lambda *a: drafted.append(1) or propose(*a)
     try:
         prompt, params = [5, 6, 7, 8] * 6, SamplingParams(max_tokens=60)
-        plain = generate(runner, [prompt], params, [], use_draft=False)[0]
-        spec = generate(runner, [prompt], params, [], use_draft=True)[0]
+        plain = generate(engine, [prompt], params, [], use_draft=False)[0]
+        spec = generate(engine, [prompt], params, [], use_draft=True)[0]
     finally:
-        del runner.draft_tokens
-        runner.lookup_ngram = 0
-        runner.set_block_size(4)
+        del proposer.propose
+        engine.speculation.lookup_ngram = 0
+        engine.set_block_size(4)
     assert spec.output_ids == plain.output_ids
-    steps = len(spec.accept_lengths) + len(spec.lookup_accept_lengths)
-    assert spec.lookup_accept_lengths and len(drafted) == len(spec.accept_lengths) < steps
+    stats = spec.stats
+    steps = len(stats.accept_lengths) + len(stats.lookup_accept_lengths)
+    assert stats.lookup_accept_lengths and len(drafted) == len(stats.accept_lengths) < steps
 
 
 def test_a_batch_mixes_lookup_rows_and_drafted_rows_in_one_step(models):
     """When only some rows have a context match, one verify pass at the lookup width checks those rows' copies
     and the others' draft blocks (judged on their B-1 drafted tokens only); output still equals plain."""
-    runner = models[2]
-    runner.lookup_ngram, runner.lookup_width = 2, 5
-    runner.set_block_size(2)
-    mixed, dflash_step = [], runner.dflash_step
-    runner.dflash_step = lambda seqs, copies=None: (
-        mixed.append(copies is not None and any(copies) and not all(copies)) or dflash_step(seqs, copies))
+    engine = models[2]
+    engine.speculation.lookup_ngram, engine.speculation.lookup_width = 2, 5
+    engine.set_block_size(2)
+    decoder = engine.dflash
+    kinds, run = [], decoder.run
+    decoder.run = lambda seqs, plan: kinds.append(plan.kind) or run(seqs, plan)
     try:
         prompts = [[5, 6, 7, 8] * 6, [3, 41, 17, 88, 2, 60, 29]]  # a repeating context and one without repeats
         params = SamplingParams(max_tokens=40)
-        plain = generate(runner, prompts, params, [], use_draft=False)
-        spec = generate(runner, prompts, params, [], use_draft=True)
+        plain = generate(engine, prompts, params, [], use_draft=False)
+        spec = generate(engine, prompts, params, [], use_draft=True)
     finally:
-        del runner.dflash_step
-        runner.lookup_ngram = 0
+        del decoder.run
+        engine.speculation.lookup_ngram = 0
     assert [s.output_ids for s in spec] == [p.output_ids for p in plain]
-    assert any(mixed)
-    assert spec[0].lookup_accept_lengths and spec[1].accept_lengths
-    assert all(1 <= a <= 2 for s in spec for a in s.accept_lengths)
-    assert all(1 <= a <= 5 for s in spec for a in s.lookup_accept_lengths)
+    assert "mixed" in kinds
+    assert spec[0].stats.lookup_accept_lengths and spec[1].stats.accept_lengths
+    assert all(1 <= a <= 2 for s in spec for a in s.stats.accept_lengths)
+    assert all(1 <= a <= 5 for s in spec for a in s.stats.lookup_accept_lengths)

@@ -6,15 +6,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from blockspec.config import ModelConfig
-from blockspec.engine.engine import run_to_completion
-from blockspec.engine.kv_cache import Batch
-from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
 from blockspec.errors import DraftConfigError
+from blockspec.layers.forward_batch import ForwardBatch
+from blockspec.models.config import ModelConfig
 from blockspec.models.loader import load_draft, load_target, save_draft
 from blockspec.sampling_params import SamplingParams
-from tests.tiny import write_tiny_draft, write_tiny_target
+from tests.tiny import TinyEngine, write_tiny_draft, write_tiny_target
 
 CPU = torch.device("cpu")
 
@@ -25,12 +23,11 @@ def target_dir(tmp_path_factory):
 
 
 def draft_outputs(target, draft, mask_id=5):
-    runner = ModelRunner(target, draft, 4, mask_id, num_slots=1, max_len=64)
-    seq = Sequence([3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=12), frozenset())
-    run_to_completion(runner, [seq], use_draft=True)
+    engine = TinyEngine(target, draft, 4, num_slots=1, max_len=64)
+    seq = engine.run([Sequence([3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=12), frozenset())], use_draft=True)[0]
     block = torch.tensor([[seq.pending_token, mask_id, mask_id, mask_id]])
-    hidden = draft(target.embed_tokens(block), Batch([0], [seq.num_cached]), runner.draft_cache)
-    return seq.output_ids, seq.accept_lengths, hidden
+    hidden = draft(ForwardBatch.in_cache(engine.runner.draft_cache, [0], [seq.num_cached], block, among_new="all"))
+    return seq.output_ids, seq.stats.accept_lengths, hidden
 
 
 def test_save_load_round_trip_is_identical(target_dir, tmp_path):
@@ -82,13 +79,11 @@ def test_reference_named_checkpoint_loads_and_runs_losslessly(target_dir, tmp_pa
     target = load_target(target_dir, torch.float32, CPU)
     draft = load_draft(reference_checkpoint(tmp_path / "ref", cfg), cfg, torch.float32, CPU)
     assert draft.config.target_layer_ids == (0, 1, 3) and draft.config.block_size == 8
-    assert draft.layers[1].self_attn.sliding_window == 8 and draft.layers[0].self_attn.sliding_window is None
-    runner = ModelRunner(target, draft, 8, 96, num_slots=2, max_len=128)
+    assert draft.layers[1].self_attn.attn.window == 8 and draft.layers[0].self_attn.attn.window is None
+    engine = TinyEngine(target, draft, 8, num_slots=2, max_len=128)
     prompts = [list(range(1, 30)), [5, 6]]
-    plain = [Sequence(p, SamplingParams(max_tokens=40), frozenset()) for p in prompts]
-    spec = [Sequence(p, SamplingParams(max_tokens=40), frozenset()) for p in prompts]
-    run_to_completion(runner, plain, use_draft=False)
-    run_to_completion(runner, spec, use_draft=True)
+    plain = engine.run([Sequence(p, SamplingParams(max_tokens=40), frozenset()) for p in prompts], use_draft=False)
+    spec = engine.run([Sequence(p, SamplingParams(max_tokens=40), frozenset()) for p in prompts], use_draft=True)
     assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
 
 
@@ -98,9 +93,8 @@ def test_draft_with_its_own_embedding(target_dir, tmp_path):
     draft = load_draft(reference_checkpoint(tmp_path / "emb", cfg, with_embed=True), cfg, torch.float32, CPU)
     assert draft.embed_tokens is not None and draft.embed_tokens.weight.shape[0] == 120
     # The mask id 96 is valid for the draft's own 120-row embedding even when checked against it.
-    runner = ModelRunner(target, draft, 8, 96, num_slots=1, max_len=64)
-    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=10), frozenset())
-    run_to_completion(runner, [seq], use_draft=True)
+    engine = TinyEngine(target, draft, 8, num_slots=1, max_len=64)
+    seq = engine.run([Sequence([1, 2, 3], SamplingParams(max_tokens=10), frozenset())], use_draft=True)[0]
     assert len(seq.output_ids) == 10
 
 

@@ -11,11 +11,11 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from blockspec.config import ModelConfig
+from blockspec.models.config import ModelConfig
 from blockspec.errors import BlockspecError, DraftConfigError
 from blockspec.device import resolve_device
-from blockspec.spec.draft_config import DraftConfig, default_target_layer_ids, resolve_draft_config
-from blockspec.spec.draft_tensors import check_draft_tensors, draft_tensor_shapes
+from blockspec.models.draft_config import DraftConfig, default_target_layer_ids, resolve_draft_config
+from blockspec.models.draft_tensors import check_draft_tensors, draft_tensor_shapes
 
 QWEN3_8B = ModelConfig(
     family="qwen3", vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,

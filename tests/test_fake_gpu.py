@@ -1,5 +1,5 @@
 """The GPU path without a GPU: the engine and train-draft run end to end on a stand-in device (fake_gpu.py)
-that enforces CUDA's device rules, so a tensor left on the CPU fails here instead of in a rare GPU session."""
+that enforces CUDA's device rules, so a tensor left on the CPU fails here, in CI, instead of on a GPU."""
 
 from unittest import mock
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import blockspec.train.trainer as trainer
-from blockspec.config import ModelConfig
+from blockspec.models.config import ModelConfig
 from blockspec.llm import LLM
 from blockspec.models.loader import load_draft
 from blockspec.sampling_params import SamplingParams

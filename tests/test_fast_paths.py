@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blockspec.models.argmax_head import Int8ArgmaxHead
+from blockspec.layers.int8_head import Int8ArgmaxHead
 
 
 @settings(max_examples=40, deadline=None)
@@ -54,7 +54,8 @@ def test_linear_layouts_match_and_fall_back(layout):
     """Linear.set_layouts: each layout computes the same product for its row counts (key 0: any other count
     of 2..SMALL_ROWS rows); one row (unless planned), and counts above SMALL_ROWS, use F.linear on the stored
     weight."""
-    from blockspec.models.layers import SMALL_ROWS, Linear
+    from blockspec.layers.layout import SMALL_ROWS
+    from blockspec.layers.linear import Linear
 
     if layout == "packed" and not torch.backends.mkl.is_available():
         pytest.skip("no MKL")
@@ -66,7 +67,7 @@ def test_linear_layouts_match_and_fall_back(layout):
     inputs = {rows: torch.randn(1, rows, 64) for rows in (1, 2, 3, 4, 7, SMALL_ROWS + 1)}
     expected = {rows: torch.nn.functional.linear(x, layer.weight, layer.bias) for rows, x in inputs.items()}
     layer.set_layouts({4: layout, 2: layout, 0: "wx" if layout == "packed" else layout})
-    assert set(layer.fast) == {0, 2, 4}
+    assert set(layer.layout.forms) == {0, 2, 4}
     for rows, x in inputs.items():
         torch.testing.assert_close(layer(x), expected[rows], rtol=1e-5, atol=1e-5)
     layer.set_layouts({1: "wx"})  # one row computed as two
@@ -77,29 +78,32 @@ def test_linear_layouts_match_and_fall_back(layout):
     for rows in (1, SMALL_ROWS + 1):
         assert torch.equal(layer(inputs[rows]), expected[rows])
     layer.set_layouts(None)
-    assert layer.fast == {}
+    assert layer.layout is None
     with pytest.raises(ValueError, match="unknown layout 'tn'"):
         layer.set_layouts({2: "tn"})
 
 
-def test_linear_layouts_without_copies_keep_a_column_major_weight():
-    """copies=False (a tied LM head): a row-major weight takes every layout as itself; a column-major one
-    keeps the stored layout rather than copy it."""
-    from blockspec.models.layers import Linear
+def test_lm_head_layouts_never_copy_the_head():
+    """A tied LM head (the row-major embedding) takes every layout as itself; a head of its own (column-major)
+    keeps the stored layout rather than copy 100 MB."""
+    from blockspec.layers.embedding import Embedding, LMHead
 
-    tied = Linear.of(torch.randn(32, 16))
-    tied.set_layouts({0: "wx"}, copies=False)
-    assert tied.fast[0][1].data_ptr() == tied.weight.data_ptr()  # no copy
-    stored = Linear(16, 32)
-    stored.set_layouts({0: "wx"}, copies=False)
-    assert stored.fast == {}
+    embedding = Embedding(32, 16)
+    embedding.load("weight", torch.randn(32, 16))
+    tied = LMHead(16, 32, tied_to=embedding)
+    tied.set_layouts({0: "wx"})
+    assert tied.layout.forms[0][1].data_ptr() == embedding.weight.data_ptr()  # no copy
+    assert tied.checkpoint_tensors("lm_head") == {}  # not a tensor of its own
+    own = LMHead(16, 32)
+    own.set_layouts({0: "wx"})
+    assert own.layout is None
 
 
 def test_tuned_plan_is_measured_once_per_machine(tmp_path, monkeypatch):
     """tune_layouts times each candidate with run(rows), keeps the fastest, saves it under $BLOCKSPEC_HOME and
     reuses it (in this process and the next) without timing again; a corrupt file is measured again."""
-    from blockspec.engine import layout_tuning
-    from blockspec.models.layers import Linear
+    from blockspec.layers import layout_tuning
+    from blockspec.layers.linear import Linear
 
     monkeypatch.setenv("BLOCKSPEC_HOME", str(tmp_path))
     monkeypatch.setattr(layout_tuning, "SAVE_AFTER_S", 0.0)  # this toy measurement is quick: save it anyway
@@ -108,24 +112,25 @@ def test_tuned_plan_is_measured_once_per_machine(tmp_path, monkeypatch):
     current = {}
 
     def run(rows):  # "wx" is the fast one at every count
-        current.setdefault(rows, []).append(layers[0].fast.get(rows, layers[0].fast.get(0, ("nn",)))[0])
+        forms = layers[0].layout.forms if layers[0].layout is not None else {}
+        current.setdefault(rows, []).append(forms.get(rows, forms.get(0, ("nn",)))[0])
         if current[rows][-1] != "wx":
             time.sleep(0.002)
 
-    plan = layout_tuning.tune_layouts(layers, [], run, (2, 4))
+    plan = layout_tuning.tune_layouts(layers, run, (2, 4))
     assert plan == {1: "wx", 2: "wx", 4: "wx", 0: "wx"}
-    assert layers[1].fast[2][0] == "wx" and layers[1].fast[0][0] == "wx"
+    assert layers[1].layout.forms[2][0] == "wx" and layers[1].layout.forms[0][0] == "wx"
     calls = sum(map(len, current.values()))
-    assert layout_tuning.tune_layouts(layers, [], run, (2, 4)) == plan
+    assert layout_tuning.tune_layouts(layers, run, (2, 4)) == plan
     layout_tuning._measured.clear()  # as in a new process: from the file
-    assert layout_tuning.tune_layouts(layers, [], run, (2, 4)) == plan
+    assert layout_tuning.tune_layouts(layers, run, (2, 4)) == plan
     assert sum(map(len, current.values())) == calls  # not timed again
     saved = json.loads((tmp_path / layout_tuning.PLANS_FILE).read_text())
     (tmp_path / layout_tuning.PLANS_FILE).write_text(json.dumps({**saved, "v1|old cpu": {"2": "nt"}}))
     assert "v1|old cpu" not in layout_tuning.read_plans(tmp_path / layout_tuning.PLANS_FILE)  # stale: dropped
     (tmp_path / layout_tuning.PLANS_FILE).write_text("{not json")
     layout_tuning._measured.clear()  # as in a new process
-    assert layout_tuning.tune_layouts(layers, [], run, (2, 4)) == plan
+    assert layout_tuning.tune_layouts(layers, run, (2, 4)) == plan
     assert sum(map(len, current.values())) > calls
 
 
@@ -133,7 +138,7 @@ def test_tuned_plan_is_measured_once_per_machine(tmp_path, monkeypatch):
 def test_layouts_are_inference_only(layout):
     """With grad enabled a Linear ignores its layout copies (detached, and MKL's packed op has no backward):
     the gradient is the stored weight's, exactly as without a plan."""
-    from blockspec.models.layers import Linear
+    from blockspec.layers.linear import Linear
 
     if layout == "packed" and not torch.backends.mkl.is_available():
         pytest.skip("no MKL")
@@ -147,34 +152,38 @@ def test_layouts_are_inference_only(layout):
     layer(x).square().sum().backward()
     assert torch.equal(layer.weight.grad, expected)
     with torch.no_grad():
-        assert layer.fast and torch.allclose(layer(x), x @ layer.weight.t(), atol=1e-5)
+        assert layer.layout and torch.allclose(layer(x), x @ layer.weight.t(), atol=1e-5)
 
 
-def test_runner_keeps_the_int8_head_only_where_it_is_faster(tmp_path, monkeypatch):
-    """ModelRunner.pick_argmax_head times the greedy choice with the fp32 head and with the int8 copy and
-    keeps the faster (both exact); never on a head the int8 kernel does not support."""
-    from blockspec.config import ModelConfig
+def test_lm_head_keeps_the_int8_form_only_where_it_is_faster(tmp_path, monkeypatch):
+    """LMHead.choose_greedy_form times the greedy choice with the fp32 head and with the int8 copy and keeps
+    the faster (both exact); never on a head the int8 kernel does not support. A runner chooses at start."""
     from blockspec.engine.runner import ModelRunner
-    from blockspec.models import argmax_head
+    from blockspec.layers import int8_head
+    from blockspec.layers.linear import Linear
+    from blockspec.models.config import ModelConfig
     from blockspec.models.loader import load_target
     from tests.tiny import write_tiny_target
 
     write_tiny_target(tmp_path / "t", hidden_size=64)
     target = load_target(tmp_path / "t", torch.float32, torch.device("cpu"))
     assert ModelConfig.from_folder(tmp_path / "t").hidden_size == 64
-    slow_argmax = argmax_head.Int8ArgmaxHead.argmax
+    slow_argmax = int8_head.Int8ArgmaxHead.argmax
 
     def slow(self, h):
         time.sleep(0.003)
         return slow_argmax(self, h)
 
-    monkeypatch.setattr(argmax_head.Int8ArgmaxHead, "argmax", slow)
-    assert ModelRunner(target, None, 2, 0, num_slots=1, max_len=32).argmax_head is None
-    monkeypatch.setattr(argmax_head.Int8ArgmaxHead, "argmax", slow_argmax)
-    slow_linear = target.lm_head.forward
-    monkeypatch.setattr(target.lm_head, "forward", lambda x: (time.sleep(0.003), slow_linear(x))[1])
-    runner = ModelRunner(target, None, 2, 0, num_slots=1, max_len=32)
-    assert isinstance(runner.argmax_head, argmax_head.Int8ArgmaxHead)
+    monkeypatch.setattr(int8_head.Int8ArgmaxHead, "argmax", slow)
+    ModelRunner(target, None, num_slots=1, max_len=32)
+    assert target.lm_head.int8 is None
+    monkeypatch.setattr(int8_head.Int8ArgmaxHead, "argmax", slow_argmax)
+    slow_linear = Linear.forward
+    monkeypatch.setattr(Linear, "forward", lambda self, x: (time.sleep(0.003), slow_linear(self, x))[1])
+    ModelRunner(target, None, num_slots=1, max_len=32)
+    monkeypatch.setattr(Linear, "forward", slow_linear)
+    assert isinstance(target.lm_head.int8, int8_head.Int8ArgmaxHead)
     h = torch.randn(3, 64)
+    weight = target.lm_head.checkpoint_tensors("lm_head")["lm_head.weight"]
     with torch.inference_mode():
-        assert torch.equal(runner.greedy_tokens(h), (target.norm(h) @ target.lm_head.weight.t()).argmax(-1))
+        assert torch.equal(target.greedy(h), (target.norm(h) @ weight.t()).argmax(-1))

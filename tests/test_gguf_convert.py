@@ -49,7 +49,7 @@ def test_weights_bit_identical_to_transformers_gguf_load(smollm2_dir: Path) -> N
 def test_folder_loads_as_a_plain_hf_checkpoint(smollm2_dir: Path) -> None:
     from transformers import LlamaForCausalLM
 
-    from blockspec.config import ModelConfig
+    from blockspec.models.config import ModelConfig
 
     cfg = ModelConfig.from_folder(smollm2_dir)
     assert (cfg.family, cfg.vocab_size, cfg.num_hidden_layers, cfg.tie_word_embeddings) == ("llama", 49152, 30, True)

@@ -1,6 +1,6 @@
 """Prompt lookup: which continuation is proposed, and when none is."""
 
-from blockspec.spec.lookup import MAX_NGRAM, lookup
+from blockspec.speculative.lookup import MAX_NGRAM, lookup
 
 
 def test_copies_what_followed_the_match():

@@ -8,29 +8,27 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blockspec.config import ModelConfig
-from blockspec.engine.engine import run_to_completion
-from blockspec.engine.runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
 from blockspec.errors import RequestError
+from blockspec.models.config import ModelConfig
 from blockspec.models.loader import load_draft, load_target
 from blockspec.sampling_params import SamplingParams
-from tests.tiny import ScriptedGovernor, write_tiny_draft, write_tiny_target
+from tests.tiny import ScriptedGovernor, TinyEngine, write_tiny_draft, write_tiny_target
 
 CPU = torch.device("cpu")
 MAX_LEN = 160
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory) -> ModelRunner:
+def engine(tmp_path_factory) -> TinyEngine:
     folder = tmp_path_factory.mktemp("sched")
     write_tiny_target(folder / "target", "llama")
     cfg = ModelConfig.from_folder(folder / "target")
     write_tiny_draft(folder / "draft", cfg, block_size=4)
     target = load_target(folder / "target", torch.float32, CPU)
     draft = load_draft(folder / "draft", cfg, torch.float32, CPU)
-    return ModelRunner(target, draft, 4, draft.config.mask_token_id, num_slots=4, max_len=MAX_LEN)
+    return TinyEngine(target, draft, 4, num_slots=4, max_len=MAX_LEN)
 
 
 REQUESTS = [  # (prompt, params, stop ids): different lengths, limits, stops, greedy and sampled rows
@@ -48,12 +46,8 @@ def fresh(requests=REQUESTS) -> list[Sequence]:
     return [Sequence(list(p), SamplingParams(**vars(sp)), frozenset(stops)) for p, sp, stops in requests]
 
 
-def alone(runner: ModelRunner, use_draft: bool, requests=REQUESTS) -> list[Sequence]:
-    out = []
-    for seq in fresh(requests):
-        run_to_completion(runner, [seq], use_draft)
-        out.append(seq)
-    return out
+def alone(engine: TinyEngine, use_draft: bool, requests=REQUESTS) -> list[Sequence]:
+    return [engine.run([seq], use_draft)[0] for seq in fresh(requests)]
 
 
 def drive(scheduler: Scheduler, seqs: list[Sequence], stream: dict[int, list[int]] | None = None) -> None:
@@ -83,41 +77,41 @@ def assert_all_free(scheduler: Scheduler) -> None:
 
 
 @pytest.mark.parametrize("use_draft", [True, False])
-def test_batched_equals_alone(runner, use_draft):
-    want = alone(runner, use_draft)
-    scheduler = Scheduler(runner, use_draft)
+def test_batched_equals_alone(engine, use_draft):
+    want = alone(engine, use_draft)
+    scheduler = engine.scheduler(use_draft)
     got = fresh()
     drive(scheduler, got)
     assert_same(got, want)
     assert scheduler.num_preemptions == 0
     assert_all_free(scheduler)
     if use_draft:
-        assert all(1 <= a <= 4 for s in got for a in s.accept_lengths)
+        assert all(1 <= a <= 4 for s in got for a in s.stats.accept_lengths)
 
 
 @pytest.mark.parametrize("use_draft", [True, False])
-def test_running_slots_stay_compact(runner, use_draft, monkeypatch):
+def test_running_slots_stay_compact(engine, use_draft, monkeypatch):
     """When a request leaves, the ones above it move down (KV copied once), so every decode batch is a
     contiguous slot range in order and reads its K/V as a view; outputs are unchanged."""
-    want = alone(runner, use_draft)
+    want = alone(engine, use_draft)
     batches, moves = [], []
-    step = runner.decode
-    monkeypatch.setattr(runner, "decode",
-                        lambda seqs, draft: (batches.append([s.slot for s in seqs]), step(seqs, draft)))
-    move = runner.target_cache.move
-    monkeypatch.setattr(runner.target_cache, "move", lambda *a: (moves.append(a), move(*a)))
+    decoder = engine.dflash if use_draft else engine.plain
+    step = decoder.decode
+    monkeypatch.setattr(decoder, "decode", lambda seqs: (batches.append([s.slot for s in seqs]), step(seqs)))
+    move = engine.runner.target_cache.move
+    monkeypatch.setattr(engine.runner.target_cache, "move", lambda *a: (moves.append(a), move(*a)))
     got = fresh()
-    drive(Scheduler(runner, use_draft), got)
+    drive(engine.scheduler(use_draft), got)
     assert_same(got, want)
     assert moves and len(batches) > 10
     assert all(slots == list(range(slots[0], slots[0] + len(slots))) for slots in batches)
 
 
 @pytest.mark.parametrize("use_draft", [True, False])
-def test_tiny_budget_preempts_and_stays_lossless(runner, use_draft):
-    want = alone(runner, use_draft)
+def test_tiny_budget_preempts_and_stays_lossless(engine, use_draft):
+    want = alone(engine, use_draft)
     biggest = max(len(p) + sp.max_tokens - 1 for p, sp, _ in REQUESTS) + 4
-    scheduler = Scheduler(runner, use_draft, max_total_tokens=biggest + 20, prefill_tokens_per_step=24)
+    scheduler = engine.scheduler(use_draft, max_total_tokens=biggest + 20, prefill_tokens_per_step=24)
     got, stream = fresh(), {}
     drive(scheduler, got, stream)
     assert scheduler.num_preemptions > 0
@@ -125,10 +119,10 @@ def test_tiny_budget_preempts_and_stays_lossless(runner, use_draft):
     assert_all_free(scheduler)
 
 
-def test_long_prompt_is_prefilled_in_chunks_alongside_decode(runner):
+def test_long_prompt_is_prefilled_in_chunks_alongside_decode(engine):
     requests = [([4, 4], SamplingParams(max_tokens=30), []), (list(range(96, 0, -1)), SamplingParams(max_tokens=20), [])]
-    want = alone(runner, True, requests)
-    scheduler = Scheduler(runner, True, prefill_tokens_per_step=10)
+    want = alone(engine, True, requests)
+    scheduler = engine.scheduler(True, prefill_tokens_per_step=10)
     got = fresh(requests)
     for seq in got:
         scheduler.add(seq)
@@ -139,8 +133,9 @@ def test_long_prompt_is_prefilled_in_chunks_alongside_decode(runner):
     assert_all_free(scheduler)
 
 
-def test_abort_frees_the_slot_at_once(runner):
-    scheduler = Scheduler(runner, True)
+def test_abort_frees_the_slot_at_once(engine):
+    runner = engine.runner
+    scheduler = engine.scheduler(True)
     seqs = fresh([([1, 2, 3], SamplingParams(max_tokens=100), [])] * 6)  # 4 slots: two wait
     for seq in seqs:
         scheduler.add(seq)
@@ -157,22 +152,22 @@ def test_abort_frees_the_slot_at_once(runner):
     assert_all_free(scheduler)
 
 
-def test_request_that_can_never_fit_is_refused(runner):
-    scheduler = Scheduler(runner, True, max_total_tokens=50)
+def test_request_that_can_never_fit_is_refused(engine):
+    scheduler = engine.scheduler(True, max_total_tokens=50)
     with pytest.raises(RequestError, match="KV tokens"):
         scheduler.add(Sequence(list(range(30)), SamplingParams(max_tokens=30), frozenset()))
     with pytest.raises(RequestError, match="max_total_tokens"):
-        Scheduler(runner, True, max_total_tokens=0)
+        engine.scheduler(True, max_total_tokens=0)
 
 
-def test_on_step_streams_every_token_once(runner):
+def test_on_step_streams_every_token_once(engine):
     seqs, seen = fresh(), {}
 
     def on_step(ran: list[Sequence]) -> None:
         for seq in ran:
             seen.setdefault(seq.seq_id, []).append(len(seq.output_ids))
 
-    run_to_completion(runner, seqs, True, on_step=on_step, max_total_tokens=120)
+    engine.run(seqs, True, on_step=on_step, max_total_tokens=120)
     for seq in seqs:
         lengths = seen[seq.seq_id]
         assert lengths == sorted(lengths) and lengths[-1] == len(seq.output_ids)
@@ -185,12 +180,12 @@ request_st = st.tuples(prompt_st, st.integers(1, 40), st.booleans(), st.lists(st
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(requests=st.lists(request_st, min_size=2, max_size=6), slack=st.integers(0, 60), chunk=st.integers(4, 64),
        use_draft=st.booleans())
-def test_random_workloads_match_alone(runner, requests, slack, chunk, use_draft):
+def test_random_workloads_match_alone(engine, requests, slack, chunk, use_draft):
     reqs = [(p, SamplingParams(max_tokens=m, temperature=0.9 if sampled else 0.0, seed=i), stops)
             for i, (p, m, sampled, stops) in enumerate(requests)]
-    want = alone(runner, use_draft, reqs)
+    want = alone(engine, use_draft, reqs)
     biggest = max(len(p) + sp.max_tokens - 1 for p, sp, _ in reqs) + (4 if use_draft else 1)
-    scheduler = Scheduler(runner, use_draft, max_total_tokens=biggest + slack, prefill_tokens_per_step=chunk)
+    scheduler = engine.scheduler(use_draft, max_total_tokens=biggest + slack, prefill_tokens_per_step=chunk)
     got = fresh(reqs)
     drive(scheduler, got, {})
     assert_same(got, want)
@@ -200,19 +195,19 @@ def test_random_workloads_match_alone(runner, requests, slack, chunk, use_draft)
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(requests=st.lists(st.tuples(prompt_st, st.integers(1, 40)), min_size=2, max_size=6),
        slack=st.integers(0, 60), script=st.lists(st.booleans(), min_size=1, max_size=10))
-def test_random_workloads_mixing_dflash_and_plain_steps_match_plain(runner, requests, slack, script):
+def test_random_workloads_mixing_dflash_and_plain_steps_match_plain(engine, requests, slack, script):
     """Adaptive speculation's plain steps leave each request a backlog of draft features; preemption,
     compaction and finishing must drop or carry it correctly. Greedy output equals plain decoding."""
     reqs = [(p, SamplingParams(max_tokens=m), []) for p, m in requests]
-    want = alone(runner, False, reqs)
+    want = alone(engine, False, reqs)
     biggest = max(len(p) + sp.max_tokens - 1 for p, sp, _ in reqs) + 4
-    runner.governor = ScriptedGovernor(script)
+    engine.dflash.governor = ScriptedGovernor(script)
     try:
-        scheduler = Scheduler(runner, True, max_total_tokens=biggest + slack, prefill_tokens_per_step=16)
+        scheduler = engine.scheduler(True, max_total_tokens=biggest + slack, prefill_tokens_per_step=16)
         got = fresh(reqs)
         drive(scheduler, got, {})
     finally:
-        runner.governor = None
+        engine.dflash.governor = None
     assert_same(got, want)
     assert_all_free(scheduler)
     assert all(not s.unfed_features for s in got)

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from blockspec.config import ModelConfig
+from blockspec.models.config import ModelConfig
 from blockspec.llm import LLM
 from blockspec.sampling_params import SamplingParams
 from tests.tiny import write_tiny_draft, write_tiny_target, write_tiny_tokenizer
@@ -41,11 +41,11 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     return {"target": target, "draft": draft}
 
 
-def make_llm(folders) -> LLM:
+def make_llm(folders, **settings) -> LLM:
     # adaptive speculation off: which steps speculate would depend on timing, and the tests compare the
     # server's accept lengths with the engine's own (the text is the same either way)
     return LLM(model_path=str(folders["target"]), draft_model_path=str(folders["draft"]), device="cpu", max_num_seqs=8,
-               adaptive_speculation=False)
+               adaptive_speculation=False, **settings)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def server(folders):
 
     from blockspec.server.app import create_app
 
-    app = create_app(make_llm(folders), api_key=KEY, max_total_tokens=BUDGET)
+    app = create_app(make_llm(folders, max_total_tokens=BUDGET), api_key=KEY)
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from blockspec import LLM, SamplingParams
-from blockspec.config import ModelConfig
-from blockspec.engine.kv_cache import Batch
+from blockspec.layers.forward_batch import ForwardBatch
+from blockspec.layers.kv_cache import KVCache
+from blockspec.models.config import ModelConfig
 from tests.tiny import write_tiny_draft
 
 PROMPT = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
@@ -28,9 +29,9 @@ def test_logits_and_captured_hidden_match_transformers(llm, hf_model):
     text = llm.tokenizer.apply_chat_template(PROMPT)
     ids = torch.tensor([llm.tokenizer.encode(text)])
     capture = (1, 7, 14, 21, 27, 29)
-    cache = llm.target.new_cache(1, 256)  # a slab longer than the prompt, as at run time
+    cache = KVCache.for_model(llm.target, 1, 256)  # a slab longer than the prompt, as at run time
     with torch.inference_mode():
-        hidden, feats = llm.target(ids, Batch([0], [0]), cache, capture)
+        hidden, feats = llm.target(ForwardBatch.in_cache(cache, [0], [0], ids), capture)
         ours = llm.target.logits(hidden)
         ref = hf_model(ids, output_hidden_states=True)
     assert (ours - ref.logits).abs().max() < 1e-4, (ours - ref.logits).abs().max()
@@ -87,6 +88,6 @@ def test_default_llm_runs_the_shipped_draft_losslessly(llm):
         assert spec.speculative_algorithm == "DFLASH" and spec.runner.draft.vocab.numel() == 16384
         out = spec.chat(PROMPT, params)[0]
         assert out.token_ids == plain.token_ids
-        assert bool(out.lookup_accept_lengths) == bool(lookup)  # the answer repeats its own code: copies
+        assert bool(out.stats.lookup_accept_lengths) == bool(lookup)  # the answer repeats its own code: copies
     assert (DEFAULT_DRAFT / "MODEL_CARD.md").is_file()
-    assert sum(out.accept_lengths) / len(out.accept_lengths) > 1.1 and out.plain_steps == 0
+    assert sum(out.accept_lengths) / len(out.accept_lengths) > 1.1 and out.stats.plain_steps == 0

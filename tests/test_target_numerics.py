@@ -3,17 +3,18 @@
 import pytest
 import torch
 
-from blockspec.engine.kv_cache import Batch
+from blockspec.layers.forward_batch import ForwardBatch
+from blockspec.layers.kv_cache import KVCache
 from blockspec.models.loader import load_target
 from tests.tiny import write_tiny_target
 
 
 def run_ours(model, ids: torch.Tensor, capture=(), chunks=(None,)):
-    cache = model.new_cache(num_slots=2, max_len=256)
+    cache = KVCache.for_model(model, num_slots=2, max_len=256)
     hidden, feats = [], []
     bounds = [0, *[c for c in chunks if c], ids.shape[1]]
     for lo, hi in zip(bounds, bounds[1:]):
-        h, f = model(ids[:, lo:hi], Batch([1], [lo]), cache, capture)
+        h, f = model(ForwardBatch.in_cache(cache, [1], [lo], ids[:, lo:hi]), capture)
         hidden.append(h)
         feats.append(f)
     h = torch.cat(hidden, 1)

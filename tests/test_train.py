@@ -11,16 +11,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockspec.cli import main
-from blockspec.config import ModelConfig
-from blockspec.engine.kv_cache import Batch
 from blockspec.errors import BlockspecError
+from blockspec.layers.embedding import Embedding, LMHead
+from blockspec.layers.forward_batch import ForwardBatch
+from blockspec.layers.kv_cache import KVCache
+from blockspec.models.config import ModelConfig
 from blockspec.models.draft import DFlashDraft
+from blockspec.models.draft_config import resolve_draft_config
 from blockspec.models.loader import load_draft
-from blockspec.spec.draft_config import resolve_draft_config
 from blockspec.train.config import TrainConfig
 from blockspec.train import data as D
 from blockspec.train.data import DataSpec, TrainSequence
-from blockspec.train.features import target_features, target_identity
+from blockspec.train.features import causal_batch, target_features, target_identity
 from blockspec.train.objective import (IGNORE, Blocks, TrainVocab, build_blocks, cosine_with_warmup, dflash_loss,
                                        greedy_accept_lengths, loss_weights, sample_anchors, steps_in_budget,
                                        training_mask)
@@ -33,7 +35,8 @@ CPU = torch.device("cpu")
 
 def test_training_mask_exact_pattern():
     # two blocks of B=3 anchored at 2 and 4, context length 6: keys = 6 context + 6 block slots
-    mask = training_mask(torch.tensor([[2, 4]]), block_size=3, ctx_len=6)[0].int()
+    context, own = training_mask(torch.tensor([[2, 4]]), block_size=3, ctx_len=6)
+    mask = torch.cat([context, own], dim=-1)[0].int()
     a = [1, 1, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0]  # block 0: context < 2, own block
     b = [1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1]  # block 1: context < 4, own block
     assert mask.tolist() == [a, a, a, b, b, b]
@@ -112,6 +115,12 @@ def write_motif_text(path, rows: int) -> None:
             f.write(json.dumps({"token_ids": (motif * 20)[: rng.randint(40, 80)]}) + "\n")
 
 
+def random_embedding(vocab: int, hidden: int) -> Embedding:
+    embedding = Embedding(vocab, hidden)
+    embedding.load("weight", torch.randn(vocab, hidden))
+    return embedding
+
+
 def test_forward_train_matches_inference_path(tiny):
     """Each block of the one-pass training forward equals the engine's inject + forward for that anchor."""
     cfg = ModelConfig.from_folder(tiny / "target")
@@ -121,18 +130,19 @@ def test_forward_train_matches_inference_path(tiny):
     with torch.no_grad():
         for p in draft.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
+    draft.use_target_embedding(random_embedding(97, cfg.hidden_size))
     t, width = 12, 2 * cfg.hidden_size
     feats = torch.randn(1, t, width)
     ids = torch.randint(0, 97, (1, t))
     anchors = torch.tensor([[1, 5, 9]])
     blocks = build_blocks(ids, ids, [t], anchors, torch.ones(1, 3, dtype=torch.bool), 4, dcfg.mask_token_id)
-    embeds = torch.randn(1, 12, cfg.hidden_size)
     with torch.no_grad():
-        out = draft.forward_train(embeds, blocks.positions, feats, torch.arange(t).view(1, -1), blocks.mask)
+        out = draft(blocks.forward_batch(), feats)
         for j, a in enumerate(anchors[0].tolist()):
-            cache = draft.new_cache(1, 32)
-            draft.inject(feats[:, :a], Batch([0], [0]), cache)
-            ref = draft(embeds[:, 4 * j : 4 * j + 4], Batch([0], [a]), cache)
+            cache = KVCache.for_model(draft, 1, 32)
+            draft.inject(feats[:, :a], ForwardBatch.in_cache(cache, [0], [0], num_new=a))
+            block = blocks.input_ids[:, 4 * j : 4 * j + 4]
+            ref = draft(ForwardBatch.in_cache(cache, [0], [a], block, among_new="all"))
             assert torch.allclose(out[:, 4 * j : 4 * j + 4], ref, atol=1e-5)
 
 
@@ -207,12 +217,16 @@ def test_init_from_a_draft_folder_continues_its_weights(tiny):
     cfg = ModelConfig.from_folder(tiny / "target")
     small, deep = (load_draft(d, cfg, torch.float32, CPU) for d in (first, grown))
     assert deep.config.num_hidden_layers == 2
-    cache_a, cache_b = small.new_cache(1, 32), deep.new_cache(1, 32)
-    feats, block = torch.randn(1, 7, 2 * cfg.hidden_size), torch.randn(1, 4, cfg.hidden_size)
+    embedding = random_embedding(97, cfg.hidden_size)
+    feats, block = torch.randn(1, 7, 2 * cfg.hidden_size), torch.randint(0, 97, (1, 4))
+    out = []
     with torch.no_grad():
-        small.inject(feats, Batch([0], [0]), cache_a)
-        deep.inject(feats, Batch([0], [0]), cache_b)
-        assert torch.allclose(small(block, Batch([0], [7]), cache_a), deep(block, Batch([0], [7]), cache_b), atol=1e-4)
+        for draft in (small, deep):
+            draft.use_target_embedding(embedding)
+            cache = KVCache.for_model(draft, 1, 32)
+            draft.inject(feats, ForwardBatch.in_cache(cache, [0], [0], num_new=7))
+            out.append(draft(ForwardBatch.in_cache(cache, [0], [7], block, among_new="all")))
+    assert torch.allclose(*out, atol=1e-4)
     with pytest.raises(BlockspecError, match="num_hidden_layers=2, but this run trains num_hidden_layers=1"):
         train(_cfg(tiny, tiny / "warm-f", steps=1, num_draft_layers=1, init=str(grown)))
     with pytest.raises(BlockspecError, match="--init"):
@@ -391,17 +405,19 @@ def test_response_prompts_are_varied_unique_and_split():
 
 
 def test_train_vocab_restricts_the_softmax_and_skips_rare_labels():
-    head = torch.nn.Linear(8, 10, bias=False)
+    head = LMHead(8, 10)
+    head.load("lm_head.weight", torch.randn(10, 8))
     counts = torch.tensor([5, 0, 9, 1, 0, 7, 0, 0, 3, 2])
-    vocab = TrainVocab(head.weight, counts, 4)
-    assert vocab.weight.shape == (4, 8) and abs(vocab.coverage - 24 / 27) < 1e-6
+    vocab = TrainVocab(head, counts, 4)
+    assert vocab.size == 4 and vocab(torch.randn(3, 8)).shape == (3, 4) and abs(vocab.coverage - 24 / 27) < 1e-6
     assert vocab.labels(torch.tensor([2, 3, IGNORE, 8, 0])).tolist() == [1, IGNORE, IGNORE, 3, 0]
     # a vocabulary of every token gives exactly the full-softmax loss
-    full = TrainVocab(head.weight, counts + 1, 10)
+    full = TrainVocab(head, counts + 1, 10)
     b, count, block = 2, 3, 4
     hidden = torch.randn(b, count * block, 8)
     labels = torch.randint(0, 10, (b, count, block - 1))
-    blocks = Blocks(input_ids=None, positions=None, labels=labels, mask=None, valid=None, complete=None)
+    blocks = Blocks(input_ids=None, positions=None, labels=labels, context_visible=None, own_block=None, valid=None,
+                    complete=None)
     w = loss_weights(block)
     a, _ = dflash_loss(hidden, head, blocks, w)
     c, _ = dflash_loss(hidden, head, blocks, w, full)
@@ -441,7 +457,7 @@ def test_distillation_teacher_is_the_targets_own_distribution(tiny):
     cfg = _cfg(tiny, tiny / "kd-probe", distill=0.5, train_dtype="float32", dtype="float32")
     trainer = Trainer(cfg)
     trainer.prepare_data()
-    trainer.draft = DFlashDraft(trainer.draft_cfg)
+    trainer.attach_draft(DFlashDraft(trainer.draft_cfg))
     reference = load_target(tiny / "target", torch.float32, CPU)
     trainer.freeze_target()
     batch = trainer.batch("train", [0, 1])
@@ -449,7 +465,7 @@ def test_distillation_teacher_is_the_targets_own_distribution(tiny):
     ids, _, _, lengths, _ = batch
     t = ids.shape[1]
     with torch.no_grad():
-        full = reference.norm(reference(ids, Batch([0, 1], [0, 0]), reference.new_cache(2, t))[0])
+        full = reference.norm(reference(causal_batch(ids))[0])
     from_pos = blocks.positions.view(2, -1, 4)[:, :, :-1]
     for row in range(2):
         for j in range(from_pos.shape[1]):

@@ -49,8 +49,8 @@ def tiny_draft_raw(target_cfg, num_layers: int = 2, block_size: int = 4, mask_to
 def write_tiny_draft(folder: Path, target_cfg, seed: int = 0, scale: float = 0.2, **kwargs) -> Path:
     """A random DFlash draft in z-lab format for the given target config."""
     from blockspec.models.draft import DFlashDraft
+    from blockspec.models.draft_config import resolve_draft_config
     from blockspec.models.loader import save_draft
-    from blockspec.spec.draft_config import resolve_draft_config
 
     cfg = resolve_draft_config(tiny_draft_raw(target_cfg, **kwargs), target=target_cfg)
     torch.manual_seed(seed)
@@ -104,8 +104,36 @@ class ScriptedGovernor:
         """The same script decides whether a batch where only some rows have a lookup match takes a mixed step."""
         return self.speculate(seqs, block_size)
 
-    def record(self, seqs, block_size, speculated, seconds) -> None:
+    def record(self, plan, seqs, block_size, seconds) -> None:
         pass
 
-    def record_lookup(self, seqs, copied, block_size, width, seconds) -> None:
-        pass
+
+class TinyEngine:
+    """A runner over a target and a draft with a DFlash decoder and a plain one, as `LLM` wires them."""
+
+    def __init__(self, target, draft, block_size: int, num_slots: int, max_len: int, lookup: tuple[int, int] = (0, 0),
+                 governor=None) -> None:
+        from blockspec.engine.runner import ModelRunner
+        from blockspec.speculative.decoder import Decoder
+        from blockspec.speculative.plan import Speculation
+
+        self.speculation = Speculation(block_size, draft.config.mask_token_id, *lookup)
+        self.runner = ModelRunner(target, draft, num_slots, max_len, self.speculation.row_counts)
+        self.dflash = Decoder(self.runner, self.speculation, governor)
+        self.plain = Decoder(self.runner)
+
+    def set_block_size(self, block_size: int) -> None:
+        self.speculation.block_size = block_size
+        self.runner.tune_layouts(self.speculation.row_counts)
+
+    def scheduler(self, use_draft: bool, **kwargs):
+        from blockspec.engine.scheduler import Scheduler
+
+        return Scheduler(self.runner, self.dflash if use_draft else self.plain, **kwargs)
+
+    def run(self, seqs, use_draft: bool, **kwargs):
+        from blockspec.engine.scheduler import run_to_completion
+
+        on_step = kwargs.pop("on_step", None)
+        run_to_completion(self.scheduler(use_draft, **kwargs), seqs, on_step)
+        return seqs

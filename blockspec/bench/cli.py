@@ -1,15 +1,17 @@
-"""`blockspec bench`: tau, its histogram and decode speedup on real prompt sets, side by side with plain
-decoding (and optionally transformers) in the same run."""
+"""`blockspec bench` (tau, its histogram and decode speedup on real prompt sets, side by side with plain
+decoding and optionally transformers, in the same run) and `blockspec bench-serving` (throughput against
+concurrency)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from pathlib import Path
 
+from blockspec.config import EngineConfig, add_model_args, add_serving_args
 from blockspec.errors import BlockspecError
+from blockspec.sampling_params import add_sampling_args, sampling_from_args
 
 DESCRIPTION = """\
 Measure DFlash against plain decoding on a real prompt set, as the DFlash paper does.
@@ -46,8 +48,6 @@ def _block_sizes(text: str) -> list[int]:
 
 
 def register(sub) -> None:
-    from blockspec.cli import add_model_args, add_sampling_args
-
     p = sub.add_parser("bench", help="measure tau and decode speedup on real prompt sets",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", default="humaneval", metavar="{humaneval,mt-bench,PATH.jsonl}",
@@ -70,16 +70,27 @@ def register(sub) -> None:
     add_model_args(p)
     p.set_defaults(func=run_bench_command)
 
+    from blockspec.bench.serving import run_bench_serving
+
+    p = sub.add_parser("bench-serving", help="output tokens/s at several concurrencies, DFlash vs plain decoding")
+    p.add_argument("--dataset", default="humaneval", help="humaneval, mt-bench or PATH.jsonl")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--concurrency", default="1,4,8,16", help="comma-separated list")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--json", default=None, help="write the report here")
+    add_serving_args(p, default_running=0)  # 0: as many slots as the highest concurrency
+    add_model_args(p)
+    p.set_defaults(func=run_bench_serving)
+
 
 def run_bench_command(args: argparse.Namespace) -> None:
     from blockspec.bench.datasets import load_dataset, select_subset
-    from blockspec.bench.report import build_report, machine_info, now_utc, print_table, write_plot
+    from blockspec.bench.report import build_report, command_line, machine_info, now_utc, print_table, write_plot
     from blockspec.bench.runner import EngineMethod, HFMethod, run_bench
-    from blockspec.cli import build_llm
-    from blockspec.sampling_params import SamplingParams
+    from blockspec.llm import LLM
 
-    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+    params = sampling_from_args(args)
     if args.plot:
         _check_writable(args.plot, "--plot")
         try:
@@ -97,7 +108,7 @@ def run_bench_command(args: argparse.Namespace) -> None:
             notes.append(f"--block-size {args.block_size} is ignored: --sweep-block-sizes decides the sizes.")
         args.block_size = max(args.sweep_block_sizes)  # KV slabs and RoPE tables sized for the largest block
 
-    llm = build_llm(args, max_num_seqs=1)
+    llm = LLM(EngineConfig.from_args(args, max_num_seqs=1))
     has_draft = llm.draft is not None
     if not has_draft:
         if args.baseline == "none" or args.sweep_block_sizes or args.plot:
@@ -124,16 +135,17 @@ def run_bench_command(args: argparse.Namespace) -> None:
 
     samples = run_bench(llm, prompts, methods, params, args.multi_turn, checks, progress=not args.no_progress)
 
+    lookup = llm.speculation if llm.speculation and llm.speculation.lookup_ngram else None
     meta = {
         "dataset": dataset.name if args.dataset not in ("humaneval", "mt-bench") else args.dataset,
         "dataset_path": None if args.dataset in ("humaneval", "mt-bench") else str(Path(args.dataset).resolve()),
         "num_prompts": len(prompts), "prompt_indices": [p.index for p in prompts], "subset_seed": subset_seed,
         "multi_turn": args.multi_turn, "max_new_tokens": args.max_new_tokens, "block_size": llm.block_size,
         "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-        "model_path": str(llm.model_path), "draft_model_path": _draft_path(args, llm),
-        "adaptive_speculation": has_draft and llm.runner.governor is not None,
-        "prompt_lookup_ngram": llm.runner.lookup_ngram or None, "prompt_lookup_block_size":
-            llm.runner.lookup_width if llm.runner.lookup_ngram else None,
+        "model_path": str(llm.model_path), "draft_model_path": llm.draft_model_path,
+        "adaptive_speculation": has_draft and llm.config.adaptive_speculation,
+        "prompt_lookup_ngram": lookup.lookup_ngram if lookup else None,
+        "prompt_lookup_block_size": lookup.lookup_width if lookup else None,
         "notes": notes, "machine": machine_info(llm.device, llm.dtype),
         "command": command_line(),
         "date": now_utc(),
@@ -170,21 +182,3 @@ def _check_writable(path: str, flag: str) -> None:
     parent = Path(path).expanduser().resolve().parent
     if not parent.is_dir():
         raise BlockspecError(f"{flag} {path!r}: folder {str(parent)!r} does not exist; create it or pick another path.")
-
-
-def _draft_path(args: argparse.Namespace, llm) -> str | None:
-    if llm.draft is None:
-        return None
-    if args.draft_model_path is not None:
-        return str(args.draft_model_path)
-    from blockspec.llm import DEFAULT_DRAFT
-
-    return str(DEFAULT_DRAFT)
-
-
-def command_line() -> str:
-    """The command as typed: sys.argv, with `python -m blockspec` spelled out when run that way."""
-    argv = list(sys.argv)
-    if argv and Path(argv[0]).name == "__main__.py" and Path(argv[0]).parent.name == "blockspec":
-        argv = [Path(sys.executable).name, "-m", "blockspec", *argv[1:]]
-    return shlex.join(argv)

@@ -23,13 +23,16 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import shlex
 import statistics
 import sys
+from pathlib import Path
 from typing import TextIO
 
 import torch
 
 from blockspec.bench.runner import Sample, first_difference
+from blockspec.engine.stats import RequestStats
 
 
 def cpu_model() -> str:
@@ -54,6 +57,14 @@ def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
+
+
+def command_line() -> str:
+    """The command as typed: sys.argv, with `python -m blockspec` spelled out when run that way."""
+    argv = list(sys.argv)
+    if argv and Path(argv[0]).name == "__main__.py" and Path(argv[0]).parent.name == "blockspec":
+        argv = [Path(sys.executable).name, "-m", "blockspec", *argv[1:]]
+    return shlex.join(argv)
 
 
 def now_utc() -> str:
@@ -87,24 +98,25 @@ def speedups(samples: list[Sample], baseline: str, dflash: str) -> tuple[float |
 
 
 def accept_stats(samples: list[Sample], dflash: str, block_size: int) -> dict:
-    steps = [a for s in samples for a in s.runs[dflash].accept_lengths]
-    per_turn = [sum(a) / len(a) for s in samples if (a := s.runs[dflash].accept_lengths)]
+    stats = RequestStats.pooled(s.runs[dflash].stats for s in samples)
+    steps, lookups, plain = stats.accept_lengths, stats.lookup_accept_lengths, stats.plain_steps
+    per_turn = [s.runs[dflash].stats.mean_accept_length for s in samples if s.runs[dflash].stats.accept_lengths]
     counts = [0] * block_size
     for a in steps:
         counts[min(max(a, 1), block_size) - 1] += 1
+    lookup_tau, per_step = stats.lookup_mean_accept_length, stats.tokens_per_step
     return {
-        "mean_accept_length": round(sum(steps) / len(steps), 4) if steps else None,
+        "mean_accept_length": round(stats.mean_accept_length, 4) if steps else None,
         "mean_accept_length_prompt_avg": round(statistics.fmean(per_turn), 4) if per_turn else None,
         "accept_length_histogram": [round(c / len(steps), 5) for c in counts] if steps else [0.0] * block_size,
         "num_verify_steps": len(steps),
-        "num_plain_steps": (plain := sum(s.runs[dflash].plain_steps for s in samples)),
+        "num_plain_steps": plain,
         "speculative_step_fraction": round(len(steps) / (len(steps) + plain), 4) if steps or plain else None,
-        "num_lookup_steps": len(lookups := [a for s in samples for a in s.runs[dflash].lookup_accept_lengths]),
-        "lookup_mean_accept_length": round(sum(lookups) / len(lookups), 4) if lookups else None,
+        "num_lookup_steps": len(lookups),
+        "lookup_mean_accept_length": round(lookup_tau, 4) if lookup_tau is not None else None,
         "lookup_accept_length_histogram": [round(lookups.count(k) / len(lookups), 5)
                                            for k in range(1, max(lookups) + 1)] if lookups else None,
-        "tokens_per_step": round((sum(steps) + sum(lookups) + plain) / total, 4)
-        if (total := len(steps) + len(lookups) + plain) else None,
+        "tokens_per_step": round(per_step, 4) if per_step is not None else None,
     }
 
 
@@ -161,11 +173,11 @@ def _prompt_row(s: Sample, dflash: str | None, baseline: str | None, names: list
         row[f"{key}_num_output_tokens"] = len(s.runs[name].token_ids)
         row[f"{key}_tpot_ms"] = _ms(s.runs[name].tpot_s)
     if dflash is not None:
-        acc = s.runs[dflash].accept_lengths
-        row["mean_accept_length"] = round(sum(acc) / len(acc), 4) if acc else None
-        row["accept_lengths"] = acc
-        row["plain_steps"] = s.runs[dflash].plain_steps
-        row["lookup_accept_lengths"] = s.runs[dflash].lookup_accept_lengths
+        stats = s.runs[dflash].stats
+        row["mean_accept_length"] = round(stats.mean_accept_length, 4) if stats.accept_lengths else None
+        row["accept_lengths"] = stats.accept_lengths
+        row["plain_steps"] = stats.plain_steps
+        row["lookup_accept_lengths"] = stats.lookup_accept_lengths
         base, spec = (s.runs[baseline].tpot_s if baseline else None), s.runs[dflash].tpot_s
         row["speedup"] = round(base / spec, 4) if base and spec else None
         if "ar" in names:
@@ -296,7 +308,7 @@ def build_report(samples: list[Sample], names: list[str], dflash: list[tuple[str
               "ar_tokens_per_s": summaries["ar"]["tokens_per_s"] if "ar" in names else None,
               "hf_tokens_per_s": summaries["hf"]["tokens_per_s"] if "hf" in names else None,
               "methods": summaries, "timing": TIMING}
-    if "ar" in names and "hf" in names:  # our plain decoding vs transformers generate (issue 2's figure)
+    if "ar" in names and "hf" in names:  # our plain decoding vs transformers generate
         report["ar_speedup_vs_hf"], report["ar_speedup_vs_hf_median"] = speedups(paired, "hf", "ar")
     if len(entries) > 1:
         report["sweep"] = [{k: v for k, v in e.items() if k != "per_prompt"} for e in entries]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 
 from blockspec.bench.datasets import BenchPrompt
+from blockspec.engine.stats import RequestStats
 from blockspec.errors import BlockspecError
 from blockspec.sampling_params import SamplingParams
 
@@ -32,9 +33,7 @@ class RunStats:
     text: str
     time_to_first_token_s: float
     decode_time_s: float
-    accept_lengths: list[int] = field(default_factory=list)
-    plain_steps: int = 0  # DFlash runs: plain steps adaptive speculation took instead
-    lookup_accept_lengths: list[int] = field(default_factory=list)  # DFlash runs: prompt-lookup steps
+    stats: RequestStats = field(default_factory=RequestStats)  # DFlash runs only
 
     @property
     def tpot_s(self) -> float | None:
@@ -73,10 +72,8 @@ class EngineMethod:
         if self.block_size is not None:
             self.llm.set_block_size(self.block_size)
         out = self.llm.generate([prompt_ids], params, speculative_algorithm=self.algorithm)[0]
-        dflash = self.algorithm == "DFLASH"
-        return RunStats(list(out.token_ids), out.text, out.time_to_first_token_s, out.decode_time_s,
-                        list(out.accept_lengths) if dflash else [], out.plain_steps if dflash else 0,
-                        list(out.lookup_accept_lengths) if dflash else [])
+        stats = out.stats.copy() if self.algorithm == "DFLASH" else RequestStats()
+        return RunStats(list(out.token_ids), out.text, out.time_to_first_token_s, out.decode_time_s, stats)
 
 
 class _TokenClock:
@@ -218,7 +215,7 @@ def _postfix(samples: list[Sample], methods: list[Method]) -> str:
         tpots = [t for s in samples if (t := s.runs[m.name].tpot_s)]
         if tpots:
             parts.append(f"{m.name} {len(tpots) / sum(tpots):.1f} tok/s")
-        steps = [a for s in samples for a in s.runs[m.name].accept_lengths]
+        steps = [a for s in samples for a in s.runs[m.name].stats.accept_lengths]
         if steps:
             parts.append(f"{m.name} tau {sum(steps) / len(steps):.2f}")
     return ", ".join(parts)

@@ -15,35 +15,20 @@ import sys
 import time
 from collections import deque
 
-from blockspec.engine.scheduler import Scheduler
+from blockspec.config import EngineConfig
+from blockspec.engine.stats import RequestStats
 from blockspec.errors import BlockspecError
 from blockspec.sampling_params import SamplingParams
 
 
-def register(sub) -> None:
-    from blockspec.cli import add_model_args
-    from blockspec.server.cli import add_engine_args
-
-    p = sub.add_parser("bench-serving", help="output tokens/s at several concurrencies, DFlash vs plain decoding")
-    p.add_argument("--dataset", default="humaneval", help="humaneval, mt-bench or PATH.jsonl")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--concurrency", default="1,4,8,16", help="comma-separated list")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--json", default=None, help="write the report here")
-    add_engine_args(p, default_running=0)  # 0: as many slots as the highest concurrency
-    add_model_args(p)
-    p.set_defaults(func=run_bench_serving)
-
-
-def closed_loop(llm, prompts: list[list[int]], params: SamplingParams, concurrency: int, use_draft: bool,
-                max_total_tokens: int | None, prefill_tokens_per_step: int | None) -> tuple[dict, list[list[int]]]:
-    scheduler = Scheduler(llm.runner, use_draft, max_total_tokens, prefill_tokens_per_step)
+def closed_loop(llm, prompts: list[list[int]], params: SamplingParams, concurrency: int,
+                algorithm: str) -> tuple[dict, list[list[int]]]:
+    scheduler = llm.scheduler(algorithm)
     todo, seqs, in_flight, steps = deque(prompts), [], 0, 0
     start = time.perf_counter()
     while todo or scheduler.has_work:
         while todo and in_flight < concurrency:
-            seq = llm._sequence(todo.popleft(), params)
+            seq = llm.sequence(todo.popleft(), params)
             scheduler.add(seq)
             seqs.append(seq)
             in_flight += 1
@@ -51,15 +36,16 @@ def closed_loop(llm, prompts: list[list[int]], params: SamplingParams, concurren
         steps += 1
     elapsed = time.perf_counter() - start
     tokens = sum(len(s.output_ids) for s in seqs)
-    accepts = [a for s in seqs for a in s.accept_lengths]
-    lookups = [a for s in seqs for a in s.lookup_accept_lengths]
+    stats = RequestStats.pooled(s.stats for s in seqs)
+    lookup_tau = stats.lookup_mean_accept_length
     row = {
-        "method": "DFLASH" if use_draft else "NONE", "concurrency": concurrency, "num_requests": len(seqs),
+        "method": algorithm, "concurrency": concurrency, "num_requests": len(seqs),
         "output_tokens": tokens, "wall_s": round(elapsed, 3), "output_tokens_per_s": round(tokens / elapsed, 2),
-        "mean_accept_length": round(sum(accepts) / len(accepts), 3) if use_draft and accepts else None,
-        "plain_steps": sum(s.plain_steps for s in seqs),  # adaptive speculation's (row-)steps without a draft
-        "lookup_steps": len(lookups),  # prompt-lookup (row-)steps, not in mean_accept_length
-        "lookup_mean_accept_length": round(sum(lookups) / len(lookups), 3) if lookups else None,
+        "mean_accept_length": round(stats.mean_accept_length, 3) if algorithm == "DFLASH" and stats.accept_lengths
+        else None,
+        "plain_steps": stats.plain_steps,  # adaptive speculation's (row-)steps without a draft
+        "lookup_steps": len(stats.lookup_accept_lengths),  # prompt-lookup (row-)steps, not in mean_accept_length
+        "lookup_mean_accept_length": round(lookup_tau, 3) if lookup_tau is not None else None,
         "mean_ttft_s": round(sum(s.first_token_time - s.arrival_time for s in seqs) / len(seqs), 3),
         "mean_latency_s": round(sum(s.finish_time - s.arrival_time for s in seqs) / len(seqs), 3),
         "steps": steps, "preemptions": scheduler.num_preemptions,
@@ -70,8 +56,7 @@ def closed_loop(llm, prompts: list[list[int]], params: SamplingParams, concurren
 def run_bench_serving(args: argparse.Namespace) -> None:
     from blockspec.bench.datasets import load_dataset, select_subset
     from blockspec.bench.report import machine_info
-    from blockspec.cli import build_llm
-    from blockspec.server.cli import check_engine_args
+    from blockspec.llm import LLM
 
     try:
         levels = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
@@ -79,28 +64,26 @@ def run_bench_serving(args: argparse.Namespace) -> None:
         raise BlockspecError(f"--concurrency={args.concurrency!r} must be a comma-separated list of integers.") from exc
     if not levels or levels[0] < 1:
         raise BlockspecError(f"--concurrency={args.concurrency!r} must list integers >= 1.")
-    args.max_running_requests = args.max_running_requests or levels[-1]
-    check_engine_args(args)
+    config = EngineConfig.from_args(args, max_num_seqs=args.max_num_seqs or levels[-1])
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     prompts_meta, note = select_subset(load_dataset(args.dataset), args.num_prompts, seed=0)
     if note:
         print(note, file=sys.stderr)
-    llm = build_llm(args, max_num_seqs=args.max_running_requests)
+    llm = LLM(config)
     chat = llm.tokenizer.chat_template is not None
     prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": p.turns[0]}])
                                     if chat else p.turns[0]) for p in prompts_meta]
-    methods = [False] + ([True] if llm.draft is not None else [])
-    engine_args = (args.max_total_tokens, args.prefill_tokens_per_step)
-    for use_draft in methods:  # warm-up: first calls pay for allocation and kernel selection
-        closed_loop(llm, prompts[:1], SamplingParams(max_tokens=4), 1, use_draft, *engine_args)
+    methods = ["NONE"] + (["DFLASH"] if llm.draft is not None else [])
+    for algorithm in methods:  # warm-up: first calls pay for allocation and kernel selection
+        closed_loop(llm, prompts[:1], SamplingParams(max_tokens=4), 1, algorithm)
     rows = []
     print(f"{'method':<8}{'conc':>5}{'tok/s':>10}{'tau':>7}{'TTFT s':>9}{'latency s':>11}{'match':>7}", file=sys.stderr)
     for level in levels:
         outputs = {}
-        for use_draft in methods:
-            row, outputs[use_draft] = closed_loop(llm, prompts, params, level, use_draft, *engine_args)
-            if use_draft and params.greedy:
-                row["outputs_match"] = sum(a == b for a, b in zip(outputs[True], outputs[False])) / len(prompts)
+        for algorithm in methods:
+            row, outputs[algorithm] = closed_loop(llm, prompts, params, level, algorithm)
+            if algorithm == "DFLASH" and params.greedy:
+                row["outputs_match"] = sum(a == b for a, b in zip(outputs["DFLASH"], outputs["NONE"])) / len(prompts)
             rows.append(row)
             tau = f"{row['mean_accept_length']:.2f}" if row["mean_accept_length"] else "-"
             match = f"{row['outputs_match']:.2f}" if "outputs_match" in row else "-"
@@ -108,8 +91,8 @@ def run_bench_serving(args: argparse.Namespace) -> None:
                   f"{row['mean_latency_s']:>11.2f}{match:>7}", file=sys.stderr, flush=True)
     report = {
         "dataset": args.dataset, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature, "block_size": llm.block_size, "max_running_requests": args.max_running_requests,
-        "max_total_tokens": args.max_total_tokens, "rows": rows, "machine": machine_info(llm.device, llm.dtype),
+        "temperature": args.temperature, "block_size": llm.block_size, "max_running_requests": config.max_num_seqs,
+        "max_total_tokens": config.max_total_tokens, "rows": rows, "machine": machine_info(llm.device, llm.dtype),
         "command": " ".join(["blockspec"] + sys.argv[1:]),
     }
     if args.json:

@@ -5,12 +5,12 @@ Policy (one step = `Scheduler.step`):
 1. Retire: finished or aborted requests give their slot back at once.
 2. Make room: the KV budget is counted in tokens, one token = one row in the target cache *and* one
    in the draft cache (they share the slot space), so one budget covers both. A running request
-   holds `num_cached + width` tokens, where width is the rows its next step writes (the block size
-   B for DFlash, 1 for plain decoding); a request still prefilling holds its whole prefill length +
-   width from the moment it is admitted. Holdings grow as requests decode; when their sum exceeds
+   holds `num_cached + width` tokens, where width is the rows its next step may write (the decoder's
+   step width: the block size B or the prompt-lookup width for DFlash, 1 for plain decoding); a request
+   still prefilling holds its whole prefill length + width from the moment it is admitted. Holdings grow as requests decode; when their sum exceeds
    the budget, the youngest running request (latest arrival) is preempted: its slot is freed and it
    goes back to the *front* of the queue. It keeps every token it has generated; when readmitted it
-   recomputes the KV of prompt + output[:-1] (`prefill_batch`) and resumes from its pending token,
+   recomputes the KV of prompt + output[:-1] (`ModelRunner.prefill`) and resumes from its pending token,
    so nothing is lost, re-sampled or emitted twice. The oldest request is never preempted for a
    younger one, so every request finishes (no livelock).
 3. Admit: first come, first served, while a slot is free (`--max-running-requests` slots) and the
@@ -23,10 +23,10 @@ Policy (one step = `Scheduler.step`):
 5. Compact: requests that finished at prefill leave, and running requests above a freed slot move
    down into it (`ModelRunner.compact`, one copy of their K/V), so the decode batch, in slot order,
    is a contiguous slot range whose K/V every layer reads as a view instead of a gather.
-6. Decode: one batched draft forward and one batched target verify (or one plain decode forward,
-   also when the runner's governor expects that to be faster: spec/governor.py) for every request
-   past prefill, including those whose prefill ended this step; each row accepts its own number of
-   tokens, stops on its own stop tokens and max_tokens.
+6. Decode: one step of the decoder (blockspec/speculative/decoder.py: a batched draft forward and one
+   batched target verify, or a plain decode forward) for every request past prefill, including those
+   whose prefill ended this step; each row accepts its own number of tokens, stops on its own stop
+   tokens and max_tokens.
 
 The scheduler is not thread-safe: one thread (the engine thread) calls add/abort/step.
 Memory: the budget bounds the KV rows in use. Slab rows are zeroed lazily, the first time a forward
@@ -37,24 +37,32 @@ not num_slots x slab length.
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable, Protocol
 
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
 from blockspec.errors import RequestError
 
 
+class StepDecoder(Protocol):
+    """What decodes a batch one step (blockspec.speculative.decoder.Decoder)."""
+
+    speculative: bool  # its requests' prefill also feeds the draft
+    step_width: int  # the most rows one step writes past a sequence's cache length
+
+    def decode(self, seqs: list[Sequence]) -> None: ...
+
+
 class Scheduler:
     def __init__(
         self,
         runner: ModelRunner,
-        use_draft: bool,
+        decoder: StepDecoder,
         max_total_tokens: int | None = None,
         prefill_tokens_per_step: int | None = None,
     ) -> None:
-        if use_draft and runner.draft is None:
-            raise RequestError("DFLASH decoding was requested but the runner has no draft model.")
-        self.runner, self.use_draft = runner, use_draft
-        self.width = runner.step_width if use_draft else 1
+        self.runner, self.decoder = runner, decoder
+        self.width = decoder.step_width
         capacity = runner.pool.num_slots * runner.max_len
         if max_total_tokens is not None and (
             isinstance(max_total_tokens, bool) or not isinstance(max_total_tokens, int) or max_total_tokens < 1
@@ -128,7 +136,7 @@ class Scheduler:
         decoding = [s for s in self.running if s.seq_id not in self._prefill_ids and not s.finished]
         decoding.sort(key=lambda s: s.slot)  # a contiguous slot range in order: the KV reads are views
         if decoding:
-            self.runner.decode(decoding, self.use_draft)
+            self.decoder.decode(decoding)
         seen = {s.seq_id for s in prefilled}
         ran = prefilled + [s for s in decoding if s.seq_id not in seen]
         self._retire()
@@ -185,11 +193,11 @@ class Scheduler:
             left -= len(chunk)
         for group in self._groups(rows):
             seqs, chunks = [s for s, _ in group], [c for _, c in group]
-            hidden = self.runner.prefill_batch(seqs, chunks, self.use_draft)
+            hidden = self.runner.prefill(seqs, chunks, capture=self.decoder.speculative)
             done = [i for i, s in enumerate(seqs) if s.num_cached == len(self._prefill_ids[s.seq_id])]
             fresh = [i for i in done if not seqs[i].output_ids]
             if fresh:
-                self.runner.sample_first([seqs[i] for i in fresh], hidden[fresh])
+                self.runner.first_tokens([seqs[i] for i in fresh], hidden[fresh])
             for i in done:
                 del self._prefill_ids[seqs[i].seq_id]
         return [s for s, _ in rows]
@@ -207,3 +215,17 @@ class Scheduler:
             groups += [fits] if fits else []
             groups += [[r] for r in bucket if r[0].num_cached + width > self.runner.max_len]
         return groups
+
+
+def run_to_completion(scheduler: Scheduler, seqs: list[Sequence],
+                      on_step: Callable[[list[Sequence]], None] | None = None) -> Scheduler:
+    """The offline loop: a fixed list of sequences, each joining as soon as a slot (and KV budget) frees up
+    and leaving the moment it finishes. `on_step` sees the sequences that ran after every step, finished
+    ones included (for streaming). Returns the scheduler (for its statistics)."""
+    for seq in seqs:
+        scheduler.add(seq)
+    while scheduler.has_work:
+        ran = scheduler.step()
+        if on_step is not None:
+            on_step(ran)
+    return scheduler

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from blockspec.engine.stats import RequestStats
 from blockspec.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -23,10 +24,8 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     slot: int = -1
     output_ids: list[int] = field(default_factory=list)
-    accept_lengths: list[int] = field(default_factory=list)  # per DFlash verify step (plain decoding: 1 per step)
-    plain_steps: int = 0  # plain decode steps taken by a DFlash request (adaptive speculation)
-    lookup_accept_lengths: list[int] = field(default_factory=list)  # per prompt-lookup step (spec/lookup.py)
-    tau_estimate: float | None = None  # moving average of its accept lengths (adaptive speculation)
+    stats: RequestStats = field(default_factory=RequestStats)
+    tau_estimate: float | None = None  # moving average of its accept lengths (the governor's)
     # Target features [K*H] of the last positions (num_cached - len .. num_cached - 1) that plain steps
     # captured but did not yet inject into the draft's cache: injected in one pass when it next drafts.
     unfed_features: list[torch.Tensor] = field(default_factory=list)

@@ -1,0 +1,2 @@
+"""Models and checkpoints: the target (`CausalLM`), the DFlash draft (`DFlashDraft`), their configs, loading
+and saving, the tokenizer, and the embedded default model."""

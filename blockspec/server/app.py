@@ -25,7 +25,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
 from blockspec.errors import BlockspecError
 from blockspec.server.async_engine import AsyncEngine, Output
@@ -37,15 +36,15 @@ from blockspec.server.protocol import (
 log = logging.getLogger("blockspec.server")
 
 
-def create_app(llm, api_key: str | None = None, served_model_name: str | None = None,
-               max_total_tokens: int | None = None, prefill_tokens_per_step: int | None = None) -> FastAPI:
-    """An app serving `llm` (a blockspec.LLM); the engine thread starts and stops with the app."""
-    scheduler = Scheduler(llm.runner, llm.draft is not None, max_total_tokens, prefill_tokens_per_step)
+def create_app(llm, api_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
+    """An app serving `llm` (a blockspec.LLM, its engine settings in llm.config); the engine thread starts
+    and stops with the app."""
+    scheduler = llm.scheduler()
     metrics = Metrics(llm.block_size)
     engine = AsyncEngine(scheduler, llm.tokenizer, metrics)
     model_name = served_model_name or llm.model_path.name
-    algorithm = "DFLASH" if scheduler.use_draft else "NONE"
-    block_size = llm.block_size if scheduler.use_draft else 1
+    algorithm = llm.speculative_algorithm
+    block_size = llm.block_size
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -139,7 +138,7 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
                     raise APIError(400, f"The prompt has {len(ids)} tokens, which fills the context length "
                                         f"max_model_len={llm.max_model_len}. Shorten it.",
                                    param="messages", code="context_length_exceeded")
-            seq = llm._sequence(ids, sampling_params(parsed, max_tokens))
+            seq = llm.sequence(ids, sampling_params(parsed, max_tokens))
             scheduler.check(seq)
             return seq
         except BlockspecError as exc:
@@ -147,7 +146,7 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
             raise APIError(400, str(exc), param="messages" if chat else "prompt", code=code) from exc
 
     def final(out: Output) -> dict:
-        return extension(out.accept_lengths, algorithm, block_size, out.plain_steps, out.lookup_accept_lengths)
+        return extension(out.stats, algorithm, block_size)
 
     async def stream(seq: Sequence, outputs: asyncio.Queue, parsed: ParsedRequest, chat: bool, rid: str,
                      created: int) -> AsyncIterator[str]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
+from blockspec.engine.stats import RequestStats
 from blockspec.errors import BlockspecError
 from blockspec.models.tokenizer import StreamDecoder, Tokenizer
 from blockspec.server.metrics import Metrics
@@ -32,9 +33,7 @@ class Output:
     text: str
     num_output_tokens: int
     finish_reason: str | None = None
-    accept_lengths: list[int] = field(default_factory=list)  # on the last update only
-    plain_steps: int = 0  # on the last update only
-    lookup_accept_lengths: list[int] = field(default_factory=list)  # on the last update only
+    stats: RequestStats = field(default_factory=RequestStats)  # on the last update only
     error: str | None = None
 
 
@@ -121,7 +120,7 @@ class AsyncEngine:
             accepts: list[int] = []
             for seq in ran:
                 accepts += self._deliver(seq)
-            self.metrics.step(time.perf_counter() - start, accepts if self.scheduler.use_draft else [])
+            self.metrics.step(time.perf_counter() - start, accepts if self.scheduler.decoder.speculative else [])
             self._publish()
         self._fail_all("the server is shutting down")
 
@@ -150,8 +149,8 @@ class AsyncEngine:
         if tracked is None:
             return []
         new = seq.output_ids[tracked.sent_tokens :]
-        accepts = seq.accept_lengths[tracked.sent_accepts :]
-        tracked.sent_tokens, tracked.sent_accepts = len(seq.output_ids), len(seq.accept_lengths)
+        accepts = seq.stats.accept_lengths[tracked.sent_accepts :]
+        tracked.sent_tokens, tracked.sent_accepts = len(seq.output_ids), len(seq.stats.accept_lengths)
         text = tracked.held + "".join(tracked.decoder.push(t) for t in new)
         if seq.finished:
             text += tracked.decoder.flush()
@@ -168,8 +167,7 @@ class AsyncEngine:
         if text or reason is not None:
             final = reason is not None
             self._post(tracked, Output(text, len(seq.output_ids), reason,
-                                       list(seq.accept_lengths) if final else [], seq.plain_steps if final else 0,
-                                       list(seq.lookup_accept_lengths) if final else []))
+                                       seq.stats.copy() if final else RequestStats()))
         if reason is not None:
             self._tracked.pop(seq.seq_id, None)
             self._done(seq, reason)
@@ -177,8 +175,7 @@ class AsyncEngine:
 
     def _done(self, seq: Sequence, reason: str) -> None:
         ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
-        self.metrics.request_done(reason, len(seq.prompt_ids), len(seq.output_ids), ttft, seq.plain_steps,
-                                  seq.lookup_accept_lengths)
+        self.metrics.request_done(reason, len(seq.prompt_ids), len(seq.output_ids), ttft, seq.stats)
 
     def _post(self, tracked: _Tracked, output: Output) -> None:
         try:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from blockspec.engine.stats import RequestStats
+
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 COUNTER_GAUGES = {"preemptions_total"}  # engine counters published through the snapshot
 TTFT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -56,7 +58,6 @@ class Metrics:
         self.plain_steps = 0
         self.lookup_steps = 0
         self.lookup_tokens = 0
-        self.preemptions = 0
         self.accept_length = Histogram(
             "blockspec_accept_length", "Tokens committed per verify step (tau, bonus included)",
             tuple(float(i) for i in range(1, max(block_size, 1) + 1)),
@@ -66,14 +67,14 @@ class Metrics:
         self.gauges: dict[str, float] = {}
 
     def request_done(self, reason: str, prompt_tokens: int, output_tokens: int, ttft: float | None,
-                     plain_steps: int = 0, lookup_accept_lengths: list[int] | None = None) -> None:
+                     stats: RequestStats) -> None:
         with self._lock:
             self.requests[reason] = self.requests.get(reason, 0) + 1
             self.prompt_tokens += prompt_tokens
             self.generation_tokens += output_tokens
-            self.plain_steps += plain_steps
-            self.lookup_steps += len(lookup_accept_lengths or [])
-            self.lookup_tokens += sum(lookup_accept_lengths or [])
+            self.plain_steps += stats.plain_steps
+            self.lookup_steps += len(stats.lookup_accept_lengths)
+            self.lookup_tokens += sum(stats.lookup_accept_lengths)
             if ttft is not None:
                 self.ttft.observe(ttft)
 

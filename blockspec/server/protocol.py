@@ -7,10 +7,11 @@ fields we cannot honour (n > 1, logprobs, echo, penalties, tools) are refused, n
 Extension fields accepted in requests: `top_k`, `ignore_eos`, `stop_token_ids`.
 Extension field on every response (and on the final stream chunk): `blockspec` =
 `{speculative_algorithm, block_size, accept_lengths, mean_accept_length, num_verify_steps,
-num_plain_steps, num_lookup_steps, lookup_mean_accept_length}`,
-where accept_lengths has one entry per verify step, each counting the bonus token (1..block_size), and
-num_plain_steps counts the plain decode steps adaptive speculation took instead, num_lookup_steps the
-prompt-lookup steps (their accept lengths are not in accept_lengths: tau stays the draft's).
+num_plain_steps, lookup_accept_lengths, num_lookup_steps, lookup_mean_accept_length}` (the request's
+`RequestStats`), where accept_lengths has one entry per verify step, each counting the bonus token
+(1..block_size), and num_plain_steps counts the plain decode steps adaptive speculation took instead,
+num_lookup_steps the prompt-lookup steps (their accept lengths are not in accept_lengths: tau stays the
+draft's).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from blockspec.engine.stats import RequestStats
 from blockspec.errors import RequestError
 from blockspec.sampling_params import SamplingParams
 
@@ -200,14 +202,8 @@ def sampling_params(parsed: ParsedRequest, max_tokens: int) -> SamplingParams:
 
 
 # ---- responses -------------------------------------------------------------------------------------
-def extension(accept_lengths: list[int], algorithm: str, block_size: int, plain_steps: int = 0,
-              lookup_accept_lengths: list[int] | None = None) -> dict:
-    mean = sum(accept_lengths) / len(accept_lengths) if accept_lengths else 0.0
-    lookups = lookup_accept_lengths or []
-    return {"speculative_algorithm": algorithm, "block_size": block_size, "accept_lengths": accept_lengths,
-            "mean_accept_length": round(mean, 4), "num_verify_steps": len(accept_lengths),
-            "num_plain_steps": plain_steps, "num_lookup_steps": len(lookups),
-            "lookup_mean_accept_length": round(sum(lookups) / len(lookups), 4) if lookups else None}
+def extension(stats: RequestStats, algorithm: str, block_size: int) -> dict:
+    return {"speculative_algorithm": algorithm, "block_size": block_size, **stats.summary()}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

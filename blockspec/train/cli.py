@@ -1,4 +1,5 @@
-"""`blockspec train-draft`: train a DFlash draft for a target (see blockspec/train/trainer.py)."""
+"""`blockspec train-draft` (train a DFlash draft for a target, see trainer.py) and `blockspec eval-draft`
+(a draft's offline acceptance, eval_draft.py)."""
 
 from __future__ import annotations
 
@@ -81,12 +82,15 @@ def register(sub) -> None:
     a("--json", action="store_true", help="print a JSON summary on stdout")
     p.set_defaults(func=run_train)
 
+    from blockspec.train.eval_draft import register as register_eval
+
+    register_eval(sub)
+
 
 def run_train(args: argparse.Namespace) -> None:
+    from blockspec.device import set_threads
     from blockspec.train.config import TrainConfig
     from blockspec.train.trainer import train
-
-    from blockspec.cli import set_threads
 
     set_threads(args.threads)
     skip = {"command", "func", "json", "threads"}

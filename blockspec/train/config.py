@@ -9,13 +9,13 @@ from pathlib import Path
 
 import torch
 
-from blockspec.config import ModelConfig
 from blockspec.device import has_fast_bf16
 from blockspec.errors import BlockspecError
+from blockspec.models.config import ModelConfig
 from blockspec.models.draft import DFlashDraft
-from blockspec.models.loader import load_draft
+from blockspec.models.draft_config import DraftConfig, default_target_layer_ids, resolve_draft_config
+from blockspec.models.loader import copy_layer, load_draft, model_tensors
 from blockspec.models.target import CausalLM
-from blockspec.spec.draft_config import DraftConfig, default_target_layer_ids, resolve_draft_config
 
 SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Tried in order when no --mask-token(-id) is given: dedicated mask tokens, then rarely used specials.
@@ -172,31 +172,30 @@ def init_draft(draft: DFlashDraft, target: CausalLM, how: str, generator: torch.
     """'random': small normal weights, unit norms. 'target': draft layer i starts as target layer
     L-n+i (the top layers) and `fc` picks the last tapped feature, so an untrained draft already reads
     the deepest tapped hidden state as its context. Both: the final norm is the target's, scaled down."""
-    for name, p in draft.named_parameters():
-        if "norm" in name:
-            p.fill_(1.0)
-        else:
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+    for name, (layer, own_name, tensor) in model_tensors(draft).items():
+        random = torch.randn(tensor.shape, generator=generator) * 0.02
+        layer.load(own_name, torch.ones(tensor.shape) if "norm" in name else random)
     # The final norm feeds the shared LM head (often tied to the embedding), which turns unit-RMS states
     # into very large logits: an untrained draft would be confidently wrong (SmolLM2: loss 17 with the
     # target's norm, 70 with ones, ~9.4 at 0.3x), and Adam moves a weight only ~lr per step. Start soft.
-    draft.norm.weight.copy_(target.norm.weight * FINAL_NORM_SCALE)
+    copy_layer(draft.norm, target.norm, FINAL_NORM_SCALE)
     if how != "target":
         return
     n, big_l, h = len(draft.layers), len(target.layers), draft.config.hidden_size
-    if target.layers[0].input_layernorm.weight is None:
+    if target.layers[0].input_layernorm.folded:
         raise ValueError("init 'target' needs the checkpoint's layers: load the target without fold_norm_weights()")
     for i, layer in enumerate(draft.layers):
         src = target.layers[big_l - n + i]
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj",
                      "input_layernorm", "post_attention_layernorm"):
-            layer.get_submodule(name).weight.copy_(src.get_submodule(name).weight)
+            copy_layer(layer.get_submodule(name), src.get_submodule(name))
         if src.self_attn.q_norm is not None:
-            layer.self_attn.q_norm.weight.copy_(src.self_attn.q_norm.weight)
-            layer.self_attn.k_norm.weight.copy_(src.self_attn.k_norm.weight)
-    draft.fc.weight.zero_()
-    draft.fc.weight[:, -h:] = torch.eye(h)
-    draft.hidden_norm.weight.copy_(draft.layers[0].input_layernorm.weight)
+            copy_layer(layer.self_attn.q_norm, src.self_attn.q_norm)
+            copy_layer(layer.self_attn.k_norm, src.self_attn.k_norm)
+    picks_last = torch.zeros(h, len(draft.config.target_layer_ids) * h)
+    picks_last[:, -h:] = torch.eye(h)
+    draft.fc.load("fc.weight", picks_last)
+    copy_layer(draft.hidden_norm, draft.layers[0].input_layernorm)
 
 
 def load_init_weights(folder: Path, mine: DraftConfig, target: ModelConfig, tokenizer) -> dict[str, torch.Tensor]:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from blockspec.engine.kv_cache import Batch
+from blockspec.layers.forward_batch import ForwardBatch
 from blockspec.models.default_model import file_sha256
 from blockspec.models.target import CausalLM
 from blockspec.train.data import TrainSequence
@@ -61,14 +61,11 @@ def target_features(
     continuation only while the text follows the target's own choices (the objective ignores block
     slots past the first disagreement); on on-policy responses (the target's own greedy output) the
     labels are the response's next tokens, which is exact."""
-    device = target.embed_tokens.weight.device
     longest = max(len(s.ids) for s in seqs)
     ids = torch.zeros(len(seqs), longest, dtype=torch.long)
     for row, s in enumerate(seqs):
         ids[row, : len(s.ids)] = torch.tensor(s.ids)
-    ids = ids.to(device)
-    cache = target.new_cache(len(seqs), longest)
-    hidden, feats = target(ids, Batch(list(range(len(seqs))), [0] * len(seqs)), cache, capture)
+    hidden, feats = target(causal_batch(ids.to(target.device)), capture)
     argmax = greedy_labels(target, hidden, logit_rows)
     out = []
     for row, s in enumerate(seqs):
@@ -79,6 +76,12 @@ def target_features(
         fp16 = feats[row, :n].clamp(-65504, 65504).to(torch.float16)  # rare massive activations: no inf
         out.append((fp16.cpu().numpy(), labels))
     return out
+
+
+def causal_batch(ids: torch.Tensor) -> ForwardBatch:
+    """A cache-free causal forward over whole sequences ids [b, t] from position 0 (right padding never
+    reaches earlier positions)."""
+    return ForwardBatch.standalone(ids, torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1))
 
 
 def greedy_labels(target: CausalLM, hidden: torch.Tensor, logit_rows: int = 128) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from blockspec.spec.draft_config import DraftConfig
+from blockspec.models.draft_config import DraftConfig
 from blockspec.train.config import TrainConfig
 from blockspec.train.data import HELDOUT_MODULES, DataSpec
 from blockspec.train.objective import default_gamma

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from blockspec.layers.embedding import LMHead
+from blockspec.layers.forward_batch import ForwardBatch
+
 IGNORE = -100
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # DFlash paper's position-decay constants per block size
 
@@ -71,22 +74,30 @@ class Blocks:
     input_ids: torch.Tensor  # [b, n] anchor token then MASKs, per block
     positions: torch.Tensor  # [b, n] absolute positions a..a+B-1
     labels: torch.Tensor  # [b, count, B-1] target tokens for slots 1..B-1, IGNORE where absent
-    mask: torch.Tensor  # bool [b, n, T + n] over keys [context (T); blocks (n)]
+    context_visible: torch.Tensor  # bool [b, n, T]: the context positions each row sees
+    own_block: torch.Tensor  # bool [1, n, n]: row i sees row j of the blocks (its own block's)
     valid: torch.Tensor  # bool [b, count] real (non-padding) blocks
     complete: torch.Tensor  # bool [b, count] real blocks whose B-1 label positions are all inside the sequence
 
+    def forward_batch(self) -> ForwardBatch:
+        """The draft's training forward over every block at once, the context (target features at
+        positions 0..T-1) given with it instead of a cache."""
+        b, t = self.context_visible.shape[0], self.context_visible.shape[2]
+        context_positions = torch.arange(t, device=self.positions.device).expand(b, t)
+        return ForwardBatch.standalone(self.input_ids, self.positions, self.own_block, context_positions,
+                                       self.context_visible)
 
-def training_mask(anchors: torch.Tensor, block_size: int, ctx_len: int) -> torch.Tensor:
-    """bool [b, count*B, ctx_len + count*B]: the rows of block j see context keys at positions < a_j
-    and the B keys of block j; nothing else. Padding blocks (any anchor) see the same pattern, so no
+
+def training_mask(anchors: torch.Tensor, block_size: int, ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bool [b, count*B, ctx_len], bool [1, count*B, count*B]): the rows of block j see context positions
+    < a_j and the B rows of block j; nothing else. Padding blocks (any anchor) see the same pattern, so no
     row is ever fully masked."""
     b, count = anchors.shape
     n = count * block_size
     row_anchor = anchors.repeat_interleave(block_size, dim=1)  # [b, n]
     ctx = torch.arange(ctx_len, device=anchors.device).view(1, 1, -1) < row_anchor.unsqueeze(-1)
     block_of = torch.arange(n, device=anchors.device) // block_size
-    own = (block_of.view(-1, 1) == block_of.view(1, -1)).expand(b, n, n)
-    return torch.cat([ctx, own], dim=-1)
+    return ctx, (block_of.view(-1, 1) == block_of.view(1, -1)).unsqueeze(0)
 
 
 def build_blocks(
@@ -117,11 +128,13 @@ def build_blocks(
     present = inside & on_path
     gathered = labels.gather(1, (label_pos - 1).clamp(max=labels.shape[1] - 1).view(b, -1)).view_as(label_pos)
     block_labels = torch.where(present, gathered, torch.full_like(gathered, IGNORE))
+    context_visible, own_block = training_mask(anchors, block_size, ids.shape[1])
     return Blocks(
         input_ids=input_ids.view(b, -1),
         positions=positions.view(b, -1),
         labels=block_labels,
-        mask=training_mask(anchors, block_size, ids.shape[1]),
+        context_visible=context_visible,
+        own_block=own_block,
         valid=valid,
         complete=inside.all(-1),
     )
@@ -142,17 +155,21 @@ class TrainVocab:
     less time, like EAGLE-3's draft vocabulary. Labels outside are skipped. The exported draft carries
     the ids, and inference and the held-out tau rank its proposals over them only."""
 
-    def __init__(self, head_weight: torch.Tensor, counts: torch.Tensor, size: int) -> None:
+    def __init__(self, lm_head: LMHead, counts: torch.Tensor, size: int) -> None:
         ids = counts.topk(min(size, counts.numel())).indices.sort().values
         self.coverage = (counts[ids].sum() / counts.sum().clamp(min=1)).item()
-        ids, device = ids.to(head_weight.device), head_weight.device
+        ids, device = ids.to(lm_head.device), lm_head.device
         self.ids = ids  # sorted; exported as the draft's vocabulary (checkpoint tensor draft_vocab)
-        self.weight = head_weight.detach()[ids].clone()  # [size, H]
+        self.head = lm_head.rows(ids)  # [size, H]
         self.remap = torch.full((counts.numel(),), IGNORE, dtype=torch.long, device=device)
         self.remap[ids] = torch.arange(ids.numel(), device=device)
 
+    @property
+    def size(self) -> int:
+        return self.ids.numel()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self.head(x)
 
     def labels(self, labels: torch.Tensor) -> torch.Tensor:
         return torch.where(labels == IGNORE, labels, self.remap[labels.clamp(min=0)])

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from blockspec.device import resolve_dtype
-from blockspec.models.default_model import blockspec_home
+from blockspec.home import blockspec_home
 from blockspec.models.loader import load_target
 from blockspec.models.target import CausalLM
 from blockspec.train import data as D

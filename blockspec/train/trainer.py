@@ -20,18 +20,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from blockspec.config import ModelConfig
 from blockspec.device import resolve_device
-from blockspec.engine.kv_cache import Batch
 from blockspec.errors import BlockspecError
-from blockspec.models.draft import DFlashDraft
+from blockspec.layers.forward_batch import ForwardBatch
+from blockspec.models.config import ModelConfig
 from blockspec.models.default_model import ensure_default_model
+from blockspec.models.draft import DFlashDraft
 from blockspec.models.loader import save_draft
 from blockspec.models.tokenizer import Tokenizer
 from blockspec.train import data as D
 from blockspec.train.config import (SAVE_DTYPES, TrainConfig, init_draft, load_init_weights, make_draft_config,
                                     resolve_train_dtype)
-from blockspec.train.features import greedy_labels
+from blockspec.train.features import causal_batch, greedy_labels
 from blockspec.train.model_card import write_model_card
 from blockspec.train.objective import (TrainVocab, build_blocks, cosine_with_warmup, dflash_loss,
                                        greedy_accept_lengths, loss_weights, sample_anchors, steps_in_budget)
@@ -116,9 +116,7 @@ class Trainer:
         anchors, valid = sample_anchors(lengths, starts, count, generator)
         blocks = build_blocks(ids, labels, lengths, anchors.to(self.device), valid.to(self.device),
                               self.draft_cfg.block_size, self.draft_cfg.mask_token_id)
-        ctx_pos = torch.arange(ids.shape[1], device=self.device).expand(ids.shape[0], -1)
-        embeds = self.target.embed_tokens(blocks.input_ids).float()
-        hidden = self.draft.forward_train(embeds, blocks.positions, feats, ctx_pos, blocks.mask)
+        hidden = self.draft(blocks.forward_batch(), feats)
         return hidden, blocks, sum(lengths), self.teacher_hidden(feats, blocks, final) if teacher else None
 
     @torch.no_grad()
@@ -128,21 +126,21 @@ class Trainer:
         """--features online: one causal target forward over the batch in the target's own dtype -> (the
         tapped features as float32, the labels with each -1 replaced by the target's argmax, the final-normed
         hidden states (the distillation teacher)). Right padding never reaches real positions."""
-        b = ids.shape[0]
-        if self._target_cache is None:  # batches hold <= batch_size sequences of <= seq_len tokens
-            self._target_cache = self.target.new_cache(self.cfg.batch_size, self.cfg.seq_len)
-        hidden, feats = self.target(ids, Batch(list(range(b)), [0] * b), self._target_cache,
-                                    self.draft_cfg.target_layer_ids)
+        hidden, feats = self.target(causal_batch(ids), self.draft_cfg.target_layer_ids)
         rows = (labels < 0).any(dim=1).nonzero().squeeze(1)  # teacher-forced text (responses carry theirs)
         if rows.numel():
             labels = labels.clone()
             labels[rows] = torch.where(labels[rows] < 0, greedy_labels(self.target, hidden[rows]), labels[rows])
         return feats.float(), labels, self.target.norm(hidden)
 
+    def attach_draft(self, draft: DFlashDraft) -> None:
+        """The draft to train; it embeds its blocks with the target's frozen embedding (unless it has its own)."""
+        self.draft = draft
+        draft.use_target_embedding(self.target.embed_tokens)
+
     def freeze_target(self) -> None:
         """With features on disk training needs only the frozen embedding and LM head, plus, with --distill,
         the layers above the deepest tapped one (the teacher's distribution); online, the whole target."""
-        self._teacher_cache = self._target_cache = None
         self.target.requires_grad_(False)
         if self.online:
             return
@@ -169,11 +167,10 @@ class Trainer:
         if final is not None:
             x = final
         else:  # a capture of the last layer is already final-normed (HF hidden_states[L])
-            x = feats[..., column : column + hidden_size].to(self.target.embed_tokens.weight.dtype)
+            x = feats[..., column : column + hidden_size].to(self.target.dtype)
         if final is None and deepest < last:
-            if self._teacher_cache is None:  # batches hold <= batch_size sequences of <= seq_len tokens
-                self._teacher_cache = self.target.new_cache(self.cfg.batch_size, self.cfg.seq_len)
-            x, _ = self.target.run_layers(x, deepest + 1, Batch(list(range(b)), [0] * b), self._teacher_cache)
+            positions = torch.arange(t, device=x.device).expand(b, t)
+            x, _ = self.target.run_layers(x, ForwardBatch.standalone(None, positions), deepest + 1)
             x = self.target.norm(x)
         from_pos = blocks.positions.view(b, -1, size)[:, :, :-1].clamp(max=t - 1)  # slot k predicts from a+k-1
         gathered = x.gather(1, from_pos.reshape(b, -1, 1).expand(-1, -1, hidden_size))
@@ -243,7 +240,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.prepare_data()
         self.total_steps = cfg.steps or max(1, math.ceil(cfg.epochs * self.num_train / cfg.batch_size))
-        self.draft = DFlashDraft(self.draft_cfg)
+        self.attach_draft(DFlashDraft(self.draft_cfg))
         if cfg.init in ("target", "random"):
             init_draft(self.draft, self.target, cfg.init, torch.Generator().manual_seed(cfg.seed))
         else:
@@ -347,8 +344,8 @@ class Trainer:
             ids, labels, _, start = store.get(i)
             labels = np.where(labels >= 0, labels, np.append(ids[1:], ids[-1]))
             counts += np.bincount(labels[start:].astype(np.int64), minlength=vocab_size)
-        vocab = TrainVocab(self.target.lm_head.weight, torch.from_numpy(counts), self.cfg.train_vocab)
-        self.stats["train_vocab"] = {"size": vocab.weight.shape[0], "label_coverage": vocab.coverage}
+        vocab = TrainVocab(self.target.lm_head, torch.from_numpy(counts), self.cfg.train_vocab)
+        self.stats["train_vocab"] = {"size": vocab.size, "label_coverage": vocab.coverage}
         return vocab
 
     def last(self, key: str) -> float:

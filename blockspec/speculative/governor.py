@@ -15,9 +15,10 @@ Output is unaffected: a plain step is exactly the baseline, and it still capture
 for the draft (kept on the sequence and injected in one pass before its next DFlash step), so speculation
 can resume at any step. Only speed changes.
 
-Prompt lookup (spec/lookup.py) steps are timed too, under their width: when only some rows of a batch
-have a context match, `mix` weighs a step at the lookup width (those rows verify their copy, at the
-all-row lookup tau) against a DFlash step at block size B for every row.
+Prompt lookup (lookup.py) steps are timed too, under their width: when only some rows of a batch have
+a context match, `mix` weighs a step at the lookup width (those rows verify their copy, at the all-row
+lookup tau) against a DFlash step at block size B for every row. The governor only estimates; `plan.py`
+turns its answers into a step plan, and it learns from each finished step through `record`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from blockspec.engine.sequence import Sequence
+from blockspec.speculative.plan import StepPlan
 
 
 @dataclass
@@ -77,20 +79,19 @@ class SpecGovernor:
         mixed = sum(self._lookup_tau if c else tau for c, tau in zip(copied, taus))
         return mixed / wide >= sum(taus) / narrow
 
-    def record_lookup(self, seqs: list[Sequence], copied: list[bool], block_size: int, width: int,
-                      seconds: float) -> None:
-        """Fold in a step where the copied rows verified prompt-lookup proposals (`width` rows wide): its
-        time, the lookup accept lengths, and the other rows' DFlash accept lengths."""
-        key = (max(width, block_size), len(seqs))
-        self._seconds[key] = self._average(self._seconds.get(key), seconds, self.alpha)
-        for seq, c in zip(seqs, copied):
-            if c:
-                self._lookup_tau = self._average(self._lookup_tau, seq.lookup_accept_lengths[-1], self.tau_alpha)
-            else:
-                self.fold_tau(seq, block_size)
-
-    def record(self, seqs: list[Sequence], block_size: int, speculated: bool, seconds: float) -> None:
-        """Fold in one finished step: its wall time and, for a DFlash step, each row's accept length."""
+    def record(self, plan: StepPlan, seqs: list[Sequence], block_size: int, seconds: float) -> None:
+        """Fold in one finished step: its wall time, under its kind and width, and the rows' accept lengths."""
+        if plan.kind in ("lookup", "mixed"):
+            key = (max(plan.width, block_size), len(seqs))
+            self._seconds[key] = self._average(self._seconds.get(key), seconds, self.alpha)
+            for seq, source in zip(seqs, plan.sources):
+                if source == "lookup":
+                    tau = seq.stats.lookup_accept_lengths[-1]
+                    self._lookup_tau = self._average(self._lookup_tau, tau, self.tau_alpha)
+                else:
+                    self.fold_tau(seq, block_size)
+            return
+        speculated = plan.kind == "dflash"
         key = (block_size if speculated else 1, len(seqs))
         self._seconds[key] = self._average(self._seconds.get(key), seconds, self.alpha)
         kind, run = self._streak
@@ -103,6 +104,6 @@ class SpecGovernor:
         """Fold the sequence's last DFlash accept length into its tau estimate and the all-sequence one. Its
         first step moves it from the all-sequence prior, not to its one noisy sample: one unlucky first block
         would otherwise keep it plain until probes slowly pull it back."""
-        tau = seq.accept_lengths[-1]
+        tau = seq.stats.accept_lengths[-1]
         seq.tau_estimate = self._average(self.expected_tau(seq, block_size), tau, self.tau_alpha)
         self._tau[block_size] = self._average(self._tau.get(block_size), tau, self.tau_alpha)

@@ -1,4 +1,4 @@
-"""Exact greedy argmax of the LM head at a third of its memory traffic (CPU with bf16 units).
+"""Exact greedy argmax of the LM head at a quarter of its memory traffic (the CPU greedy form of `LMHead`).
 
 On CPU a decode step is bound by reading weights, and SmolLM2's fp32 LM head is a fifth of them.
 Greedy decoding needs only the argmax, so we first score every token with an int8 copy of the head

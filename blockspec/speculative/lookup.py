@@ -1,10 +1,10 @@
 """Prompt lookup: proposals copied from the request's own context, verified like a draft block.
 
 The target's answers often repeat their context: code that restates the prompt's signature and docstring,
-names and phrases used before. Measured on SmolLM2's greedy 128-token answers (session 10, 20 prompts
-each), 48% of humaneval positions end a 4-gram that occurs earlier; there the continuation that followed it
-is right 85% of the time, while the shipped 3-layer draft gets 49% of them (mt-bench: 82% vs 37%). The
-draft does not learn to copy, so when the context has a match the engine proposes the copy instead.
+names and phrases used before. Measured on SmolLM2's greedy 128-token answers (20 prompts each), 48% of
+humaneval positions end a 4-gram that occurs earlier; there the continuation that followed it is right 85%
+of the time, while the shipped 3-layer draft gets 49% of them (mt-bench: 82% vs 37%). The draft does not
+learn to copy, so when the context has a match the engine proposes the copy instead.
 
 `lookup(tokens, min_ngram, count)` finds the latest earlier occurrence of the longest n-gram
 (min_ngram <= n <= MAX_NGRAM) that ends the sequence and returns the `count` tokens that followed it; a
@@ -17,6 +17,8 @@ choice; sampled: kept with probability p(d)).
 from __future__ import annotations
 
 import numpy as np
+
+from blockspec.engine.sequence import Sequence
 
 MAX_NGRAM = 8  # longer matches are tried first: the longer the match, the likelier the copy is right
 
@@ -47,3 +49,8 @@ def lookup(tokens: list[int] | np.ndarray, min_ngram: int, count: int) -> list[i
     while len(source) < count:  # the match overlaps the end: the pattern repeats with period last - j
         source.append(source[len(source) - (last - j)])
     return source
+
+
+def lookups(seqs: list[Sequence], min_ngram: int, count: int) -> list[list[int]]:
+    """Each row's `count` proposals copied from its own context, or [] where the context has no match."""
+    return [lookup(s.prompt_ids + s.output_ids, min_ngram, count) for s in seqs]

@@ -1,6 +1,8 @@
-"""Verification: how many drafted tokens the target accepts, and the bonus token that follows.
+"""Acceptance: how many candidate tokens the target keeps, and its own token that follows (the bonus).
 
-Both rules are lossless. Candidates are [bonus, d1 .. d_{B-1}]; target row i scores position i+1.
+Both rules are lossless. A row verified [pending, d1 .. d_n]; target output i scores position i+1.
+Candidates are deterministic tokens (the draft's argmax, a prompt-lookup copy), which is what the
+sampled rule assumes.
 """
 
 from __future__ import annotations
@@ -8,7 +10,17 @@ from __future__ import annotations
 import torch
 
 from blockspec.engine.sampler import draw_device, filtered_probs, sample
+from blockspec.engine.sequence import Sequence
 from blockspec.sampling_params import SamplingParams
+
+
+def accept(seq: Sequence, candidates: torch.Tensor, host_candidates: torch.Tensor,
+           target: torch.Tensor) -> tuple[int, int]:
+    """(accepted count, bonus) for one row's n candidates (on the device and on the CPU) and the target's
+    n + 1 outputs there (greedy token ids for a greedy request, fp32 logits for a sampled one)."""
+    if seq.params.greedy:
+        return greedy_accept(host_candidates, target)
+    return sampled_accept(candidates, target, seq.params, seq.generator)
 
 
 def greedy_accept(drafts: torch.Tensor, choice: torch.Tensor) -> tuple[int, int]:

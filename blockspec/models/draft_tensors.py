@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from blockspec.errors import DraftConfigError
-from blockspec.spec.draft_config import DRAFT_VOCAB, DraftConfig, Warn, vocab_note
+from blockspec.models.draft_config import DRAFT_VOCAB, DraftConfig, Warn, vocab_note
 
 _log = logging.getLogger(__name__)
 

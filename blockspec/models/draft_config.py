@@ -13,8 +13,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from blockspec.config import ModelConfig
 from blockspec.errors import DraftConfigError
+from blockspec.models.config import ModelConfig
 
 _log = logging.getLogger(__name__)
 

@@ -1,14 +1,13 @@
-"""Pick each fp32 CPU weight layout by timing the real model (`Linear.set_layouts`).
+"""A pass over a model's `Linear` layers that picks each one's fp32 CPU GEMM form by timing the real model.
 
-A decode step multiplies one row by each weight (a GEMV); a verify step multiplies the B rows of a
-block, a batch of requests b or b*B rows. For those few rows the fastest GEMM form depends on the CPU
-and its BLAS: on the Intel Xeon (AVX-512, bf16) of sessions 1-10 MKL's NT form streamed the weight for
-2 rows and an MKL-packed copy won for 4; on a 2-core AMD EPYC (AVX2) a SmolLM2 pass of 2 rows costs 2.0x
-a one-row step in the NT form and 4 rows 2.0x packed, while W x^T (the weight as the GEMM's big left
-operand) costs 0.9x at both: there MKL's GEMV is slower than its 2-column GEMM, so even one row goes
-faster as two (scripts/verify_rows_bench.py). No fixed rule is right on both, so the runner measures: a
-few target passes of each candidate at each row count it will run, the fastest kept. Output tokens don't
-depend on the choice beyond fp32 rounding (as with any kernel).
+For the few rows of a decode or verify step the fastest form depends on the CPU and its BLAS: on a
+2-core Intel Xeon (AVX-512, bf16) MKL's NT form streamed the weight for 2 rows and an MKL-packed copy won
+for 4; on a 2-core AMD EPYC (AVX2) a SmolLM2 pass of 2 rows costs 2.0x a one-row step in the NT form and
+4 rows 2.0x packed, while W x^T (the weight as the GEMM's big left operand) costs 0.9x at both: there
+MKL's GEMV is slower than its 2-column GEMM, so even one row goes faster as two
+(scripts/verify_rows_bench.py). No fixed rule is right on both, so the runner measures: a few target
+passes of each candidate at each row count it will run, the fastest kept. Output tokens don't depend on
+the choice beyond fp32 rounding (as with any kernel).
 """
 
 from __future__ import annotations
@@ -25,10 +24,10 @@ from typing import Callable
 
 import torch
 
-from blockspec.models.default_model import blockspec_home
-from blockspec.models.layers import Linear
+from blockspec.home import blockspec_home
+from blockspec.layers.layout import LAYOUTS as CANDIDATES  # "packed" only for an exact row count
+from blockspec.layers.linear import Linear
 
-CANDIDATES = ("nn", "nt", "wx", "packed")  # "packed" only for an exact row count
 DEFAULT_PROBE_ROWS = 16  # key 0 (every other 2..SMALL_ROWS-row input) is chosen by timing this many rows
 PLANS_FILE = "layouts.json"  # under $BLOCKSPEC_HOME: measured once per CPU, thread count and model shape
 SAVE_AFTER_S = 1.0  # a plan whose measurement took longer is saved
@@ -37,11 +36,9 @@ PLAN_VERSION = "v2"  # plans saved under another version are dropped when the fi
 _measured: dict[str, dict[int, str]] = {}
 
 
-def apply_plan(linears: list[Linear], tied_heads: list[Linear], plan: dict[int, str] | None) -> None:
+def apply_plan(linears: list[Linear], plan: dict[int, str] | None) -> None:
     for module in linears:
         module.set_layouts(plan)
-    for module in tied_heads:  # no copy of a 100 MB head: only the layouts its stored weight allows
-        module.set_layouts(plan, copies=False)
 
 
 def plan_key(linears: list[Linear], counts: tuple[int, ...]) -> str:
@@ -73,24 +70,24 @@ def write_plans(path: Path, plans: dict[str, dict[int, str]]) -> None:
         partial.replace(path)
 
 
-def tune_layouts(linears: list[Linear], tied_heads: list[Linear], run: Callable[[int], None],
-                 counts: tuple[int, ...], reps: int = 2) -> dict[int, str]:
+def tune_layouts(linears: list[Linear], run: Callable[[int], None], counts: tuple[int, ...],
+                 reps: int = 2) -> dict[int, str]:
     """The fastest layout for one row (a decode step), per row count in `counts` (>= 2) and for every other
     small count (key 0), measured with run(rows) (one pass of `rows` rows through the model) unless this
     process or this machine measured it before; the plan is applied to the modules. Delete
     $BLOCKSPEC_HOME/layouts.json to measure again."""
-    key = plan_key(linears + tied_heads, counts)
+    key = plan_key(linears, counts)
     path = blockspec_home() / PLANS_FILE
     saved = read_plans(path)
     plan = _measured.get(key) or saved.get(key)
     if plan is None:
         began = time.perf_counter()
-        apply_plan(linears, tied_heads, None)  # fresh copies of the current weights
+        apply_plan(linears, None)  # fresh copies of the current weights
         plan = {}
         for rows in [1, *sorted({c for c in counts if c >= 2}), 0]:
             seconds = {}
             for layout in CANDIDATES if rows > 1 else ("nn", "wx") if rows == 1 else CANDIDATES[:-1]:
-                apply_plan(linears, tied_heads, {**plan, rows: layout})
+                apply_plan(linears, {**plan, rows: layout})
                 run(rows or DEFAULT_PROBE_ROWS)  # warm-up: first touch of the copies, MKL's own set-up
                 times = []
                 for _ in range(reps):
@@ -102,5 +99,5 @@ def tune_layouts(linears: list[Linear], tied_heads: list[Linear], run: Callable[
         saved[key] = _measured[key] = plan
         if time.perf_counter() - began > SAVE_AFTER_S:  # a tiny model re-measures faster than it reads a file
             write_plans(path, saved)
-    apply_plan(linears, tied_heads, plan)
+    apply_plan(linears, plan)
     return dict(plan)

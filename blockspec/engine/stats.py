@@ -1,0 +1,58 @@
+"""`RequestStats`: what decoding did for one request, the one record every report reads (the API's
+`RequestOutput`, the server's `blockspec` field and metrics, `generate --json`, `bench`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestStats:
+    # Tokens committed per DFlash verify step, the bonus included (1..block size); plain decoding: 1 per step.
+    accept_lengths: list[int] = field(default_factory=list)
+    # Tokens committed per prompt-lookup step (a copy from the context verified instead of a draft block):
+    # kept apart so that tau stays the draft's own.
+    lookup_accept_lengths: list[int] = field(default_factory=list)
+    plain_steps: int = 0  # plain steps a DFlash request took where speculating did not pay (adaptive)
+
+    @classmethod
+    def pooled(cls, many: Iterable[RequestStats]) -> RequestStats:
+        out = cls()
+        for stats in many:
+            out.accept_lengths += stats.accept_lengths
+            out.lookup_accept_lengths += stats.lookup_accept_lengths
+            out.plain_steps += stats.plain_steps
+        return out
+
+    def copy(self) -> RequestStats:
+        return RequestStats(list(self.accept_lengths), list(self.lookup_accept_lengths), self.plain_steps)
+
+    @property
+    def mean_accept_length(self) -> float:
+        """tau: mean tokens per DFlash verify step (0.0 before the first)."""
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+    @property
+    def lookup_mean_accept_length(self) -> float | None:
+        lookups = self.lookup_accept_lengths
+        return sum(lookups) / len(lookups) if lookups else None
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.accept_lengths) + len(self.lookup_accept_lengths) + self.plain_steps
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        """Committed tokens over every step (DFlash, prompt lookup and plain)."""
+        committed = sum(self.accept_lengths) + sum(self.lookup_accept_lengths) + self.plain_steps
+        return committed / self.num_steps if self.num_steps else None
+
+    def summary(self) -> dict:
+        """The JSON fields every report shares."""
+        lookup_tau = self.lookup_mean_accept_length
+        return {"accept_lengths": list(self.accept_lengths), "mean_accept_length": round(self.mean_accept_length, 4),
+                "num_verify_steps": len(self.accept_lengths), "num_plain_steps": self.plain_steps,
+                "lookup_accept_lengths": list(self.lookup_accept_lengths),
+                "num_lookup_steps": len(self.lookup_accept_lengths),
+                "lookup_mean_accept_length": None if lookup_tau is None else round(lookup_tau, 4)}

@@ -1,0 +1,55 @@
+"""KV cache: one preallocated slab per running sequence, addressed by slot.
+
+Layout per layer: [num_slots, kv_heads, max_len, head_dim]. A sequence owns one slot index, which
+addresses both the target cache and the draft cache (as in SGLang, the two share one slot space), so
+one admission decision covers both. Appending writes rows in place; rolling back a rejected draft tail
+is free: the sequence's length simply does not advance past the committed tokens, and later writes
+overwrite the scratch rows. Why slabs and not pages: see docs/architecture.md. The attention layer reads
+and writes the per-layer views (`k_layers`, `v_layers`), under torch.inference_mode() / no_grad (the views
+go stale in grad mode).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (num_layers, num_slots, kv_heads, max_len, head_dim)
+        # On the CPU, torch.empty: pages are only touched (and so only use memory) when a sequence writes
+        # them. A GPU allocates the whole slab anyway: zero it once instead of a few rows per slot per step.
+        lazy = torch.device(device).type == "cpu"
+        self.k = (torch.empty if lazy else torch.zeros)(shape, dtype=dtype, device=device)
+        self.v = (torch.empty if lazy else torch.zeros)(shape, dtype=dtype, device=device)
+        # Per-layer views (fewer index ops per write). Not unbind(): its views refuse in-place writes in grad mode.
+        self.k_layers = [self.k[i] for i in range(num_layers)]
+        self.v_layers = [self.v[i] for i in range(num_layers)]
+        self.max_len, self.device = max_len, self.k.device
+        self._clean_upto = [0 if lazy else max_len] * num_slots  # rows below this are zeroed or written, per slot
+
+    @classmethod
+    def for_model(cls, model, num_slots: int, max_len: int) -> KVCache:
+        """A cache for `model` (a target or a draft: its config's layer count, KV heads and head size, in its
+        dtype on its device)."""
+        cfg = model.config
+        return cls(cfg.num_hidden_layers, num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim, model.dtype,
+                   model.device)
+
+    def prepare(self, slots: list[int], length: int) -> None:
+        """Zero each row below `length` of these slots that no forward has touched yet. Batched attention
+        reads rows past a sequence's own length (masked out), and never-written memory may hold NaN bit
+        patterns (0 * NaN = NaN). Zeroing lazily keeps resident memory at the rows actually used."""
+        for slot in slots:
+            start = self._clean_upto[slot]
+            if start < length:
+                self.k[:, slot, :, start:length].zero_()
+                self.v[:, slot, :, start:length].zero_()
+                self._clean_upto[slot] = length
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` rows of slot `src` (every layer) into slot `dst`."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        self._clean_upto[dst] = max(self._clean_upto[dst], length)

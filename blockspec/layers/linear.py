@@ -1,0 +1,90 @@
+"""`Linear`: the one linear layer. It owns its weight: it loads it from checkpoint tensors (one per fused
+part), scales its inputs when a norm folds into it, and multiplies in the CPU form a tuning pass chose."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.layers.layout import Layout
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). `out_features` lists the widths of checkpoint tensors fused into this one along the
+    output (q, k, v -> qkv), and `shard_names` their checkpoint names (siblings of this module's path)."""
+
+    def __init__(self, in_features: int, out_features: int | Sequence[int], bias: bool = False,
+                 shard_names: Sequence[str] | None = None) -> None:
+        super().__init__()
+        self.shards = list(out_features) if isinstance(out_features, (list, tuple)) else [out_features]
+        if shard_names is not None and len(shard_names) != len(self.shards):
+            raise ValueError(f"Linear: {len(self.shards)} fused parts need as many shard_names, got {shard_names}")
+        self.shard_names = tuple(shard_names) if shard_names is not None else None
+        self.in_features = in_features
+        self.out_features = sum(self.shards)
+        # Logically [out, in] like every checkpoint, stored column-major: F.linear then runs x @ W^T as a
+        # plain NN GEMM, which MKL does 1.5-3x faster than the NT form for the 2-16 token rows of a
+        # verify block or prefill chunk on CPU (decode GEMVs are unaffected).
+        self.weight = nn.Parameter(torch.empty(in_features, self.out_features).t())
+        self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
+        self.layout: Layout | None = None  # the CPU GEMM forms chosen for inference (set_layouts)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    # ---- weights ----------------------------------------------------------------------------------
+    def checkpoint_tensors(self, path: str) -> dict[str, torch.Tensor]:
+        """This layer's tensors under their checkpoint names (views), `path` being its module path."""
+        leaves = {"weight": self.weight} if self.bias is None else {"weight": self.weight, "bias": self.bias}
+        if self.shard_names is None:
+            return {f"{path}.{leaf}": t for leaf, t in leaves.items()}
+        parent = path.rpartition(".")[0]
+        prefix = f"{parent}." if parent else ""
+        return {f"{prefix}{name}.{leaf}": t[self.shard_slice(i)]
+                for i, name in enumerate(self.shard_names) for leaf, t in leaves.items()}
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint tensor (a name from `checkpoint_tensors`) into its part of this layer."""
+        owner, leaf = name.rsplit(".", 2)[-2:]
+        target = self.weight if leaf == "weight" else self.bias
+        if self.shard_names is not None:
+            target = target[self.shard_slice(self.shard_names.index(owner))]
+        target.copy_(tensor)
+        self.layout = None  # copies of the old weight are stale
+
+    def shard_slice(self, index: int) -> slice:
+        start = sum(self.shards[:index])
+        return slice(start, start + self.shards[index])
+
+    @torch.no_grad()
+    def scale_inputs(self, scale: torch.Tensor) -> None:
+        """W <- W diag(scale): the layer now computes what it did on inputs multiplied by `scale`."""
+        self.weight.mul_(scale)  # [out, in] * [in]: scales input columns
+        self.layout = None
+
+    def set_layouts(self, plan: dict[int, str] | None, copies: bool = True) -> None:
+        """Multiply in the CPU forms of `plan` (see `Layout`) from now on; None or {}: the stored weight.
+        Forms apply to inference only: with grad enabled the layer multiplies by its stored weight (the
+        copies are detached, and MKL's packed op has no backward)."""
+        self.layout = Layout.build(self.weight, self.bias, plan, copies, self.layout)
+
+    # ---- compute ----------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout is not None and not torch.is_grad_enabled():
+            return self.layout(x)
+        return F.linear(x, self.weight, self.bias)
+
+    def forward_shards(self, x: torch.Tensor, first: int) -> torch.Tensor:
+        """Only the outputs of fused parts `first`.. (e.g. k and v of a fused qkv), in the stored form."""
+        start = sum(self.shards[:first])
+        bias = None if self.bias is None else self.bias[start:]
+        return F.linear(x, self.weight[start:], bias)

@@ -1,1 +1,0 @@
-"""DFlash speculative-decoding pieces: draft configuration, drafting and verification."""

@@ -1,0 +1,120 @@
+"""One decode step for every running request, read top to bottom: plan, propose, verify, accept, commit.
+
+Every step verifies, per row, its pending token plus some candidates in one causal pass of the target:
+none (a plain step), the DFlash draft's block, or a continuation copied from the row's own context
+(prompt lookup). Acceptance keeps the longest run of candidates the target agrees with (greedy) or
+would have sampled (sampled, lossless), and the target's own next token follows it. So whatever the
+plan, the output is exactly the target's; plans differ only in how many tokens a step commits and what
+the step costs, which is all the governor weighs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from blockspec.engine.runner import ModelRunner
+from blockspec.engine.sequence import Sequence
+from blockspec.speculative.accept import accept
+from blockspec.speculative.dflash import MAX_UNFED, DFlashProposer
+from blockspec.speculative.governor import SpecGovernor
+from blockspec.speculative.lookup import lookups
+from blockspec.speculative.plan import Speculation, StepPlan, choose_plan
+
+
+class Decoder:
+    """Decodes a batch one step at a time: speculatively with `speculation` (a DFlash draft, prompt lookup
+    and, unless `governor` is None, adaptive plain steps), or plainly when it is None."""
+
+    def __init__(self, runner: ModelRunner, speculation: Speculation | None = None,
+                 governor: SpecGovernor | None = None) -> None:
+        if speculation is not None and runner.draft is None:
+            raise ValueError("Decoder: speculative decoding needs a runner with a DFlash draft.")
+        self.runner, self.speculation, self.governor = runner, speculation, governor
+        self.draft = DFlashProposer(runner, speculation.mask_token_id) if speculation is not None else None
+
+    @property
+    def speculative(self) -> bool:
+        return self.speculation is not None
+
+    @property
+    def step_width(self) -> int:
+        """The most rows one step writes past a sequence's cache length."""
+        return self.speculation.step_width if self.speculation is not None else 1
+
+    def decode(self, seqs: list[Sequence]) -> None:
+        plan = self.plan(seqs)
+        start = time.perf_counter()
+        self.run(seqs, plan)
+        if self.governor is not None and self.speculation is not None:  # the step ended in a host sync
+            self.governor.record(plan, seqs, self.speculation.block_size, time.perf_counter() - start)
+
+    def plan(self, seqs: list[Sequence]) -> StepPlan:
+        spec = self.speculation
+        if spec is None:
+            return StepPlan.plain(len(seqs), capture=False)
+        copies = lookups(seqs, spec.lookup_ngram, spec.lookup_width - 1) if spec.lookup_ngram else [[]] * len(seqs)
+        return choose_plan(seqs, copies, spec, self.governor)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], plan: StepPlan) -> None:
+        runner, device = self.runner, self.runner.device
+        starts = [s.num_cached for s in seqs]
+
+        # 1. Propose: each row's candidates [b, width - 1]. The draft first catches up on what plain and
+        #    lookup steps committed since it last ran, for every row: this step's features go straight in.
+        if plan.drafts:
+            self.draft.catch_up(seqs)
+        candidates = self.propose(seqs, plan)
+
+        # 2. Verify: one target pass over [pending, candidates...] per row.
+        pending = torch.tensor([[s.pending_token] for s in seqs], device=device)
+        hidden, features = runner.verify(seqs, torch.cat([pending, candidates], dim=1), plan.capture)
+        targets = runner.target_choices(seqs, hidden)
+
+        # 3. Accept: per row, the candidates the target keeps and its own token after them.
+        host = candidates.cpu()
+        outcomes = []
+        for row, seq in enumerate(seqs):
+            n = plan.judged(row, self.speculation.block_size if self.speculation else 1)
+            outcomes.append(accept(seq, candidates[row, :n], host[row, :n], targets[row][: n + 1]))
+
+        # 4. Commit: the accepted tokens and the bonus; the cache keeps exactly them (rows past the new length
+        #    are scratch). The draft takes the features now if it ran, else they wait on the sequence.
+        if plan.drafts:
+            runner.inject(seqs, features, starts)
+        for row, (seq, (accepted, bonus)) in enumerate(zip(seqs, outcomes)):
+            seq.num_cached += accepted + 1
+            self.record(seq, plan.sources[row], accepted + 1, plan.capture)
+            if plan.capture and not plan.drafts:
+                seq.unfed_features.extend(features[row, : accepted + 1].unbind(0))
+            seq.emit(host[row, :accepted].tolist() + [bonus])
+        if plan.capture and not plan.drafts and max(len(s.unfed_features) for s in seqs) >= MAX_UNFED:
+            self.draft.catch_up(seqs)
+
+    def propose(self, seqs: list[Sequence], plan: StepPlan) -> torch.Tensor:
+        """Candidates [b, width - 1]: the draft's block for drafted rows, the copy for lookup rows, padded
+        with the mask token where a row has fewer than the step's width."""
+        spec, device = self.speculation, self.runner.device
+        drafted = [row for row, source in enumerate(plan.sources) if source == "draft"]
+        if plan.kind == "dflash":
+            return self.draft.propose(seqs, spec.block_size)
+        candidates = torch.full((len(seqs), plan.width - 1), spec.mask_token_id if spec else 0, device=device)
+        if drafted:
+            candidates[drafted, : spec.block_size - 1] = self.draft.propose([seqs[r] for r in drafted],
+                                                                             spec.block_size)
+        for row, copy in enumerate(plan.copies):
+            if copy:
+                candidates[row, : len(copy)] = torch.tensor(copy, device=device)
+        return candidates
+
+    @staticmethod
+    def record(seq: Sequence, source: str, committed: int, speculative: bool) -> None:
+        stats = seq.stats
+        if source == "lookup":
+            stats.lookup_accept_lengths.append(committed)
+        elif source == "draft" or not speculative:
+            stats.accept_lengths.append(committed)  # plain decoding: one verify step of one token
+        else:
+            stats.plain_steps += 1

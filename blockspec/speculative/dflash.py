@@ -1,0 +1,40 @@
+"""The DFlash proposer: the draft fills each row's block `[pending, MASK x (B-1)]` in one pass.
+
+Before it drafts, the draft catches up on the rows' backlog: the target features of positions committed
+by plain and prompt-lookup steps, which it has not seen yet (`Sequence.unfed_features`). Injecting k
+positions costs about what injecting one does (the draft's weights are read once), and a request that
+finishes while decoding plainly never pays for its backlog. At most MAX_UNFED positions wait.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from blockspec.engine.runner import ModelRunner
+from blockspec.engine.sequence import Sequence
+
+MAX_UNFED = 64
+
+
+class DFlashProposer:
+    def __init__(self, runner: ModelRunner, mask_token_id: int) -> None:
+        self.runner, self.mask_token_id = runner, mask_token_id
+
+    def catch_up(self, seqs: list[Sequence]) -> None:
+        """Inject every row's unfed target features into the draft's cache: one pass per distinct backlog
+        length (usually one: a batch takes plain steps together)."""
+        by_length: dict[int, list[Sequence]] = {}
+        for seq in seqs:
+            if seq.unfed_features:
+                by_length.setdefault(len(seq.unfed_features), []).append(seq)
+        for n, group in by_length.items():
+            features = torch.stack([torch.stack(s.unfed_features) for s in group])  # [g, n, K*H]
+            self.runner.inject(group, features, [s.num_cached - n for s in group])
+            for seq in group:
+                seq.unfed_features.clear()
+
+    def propose(self, seqs: list[Sequence], block_size: int) -> torch.Tensor:
+        """block_size - 1 proposed tokens per row [b, B-1] (the rows must have caught up)."""
+        block = torch.full((len(seqs), block_size), self.mask_token_id, device=self.runner.device)
+        block[:, 0] = torch.tensor([s.pending_token for s in seqs], device=self.runner.device)
+        return self.runner.draft_block(seqs, block)
