@@ -13,7 +13,8 @@ from blockspec.config import EngineConfig, add_model_args
 from blockspec.errors import BlockspecError
 from blockspec.sampling_params import add_sampling_args, sampling_from_args
 
-SUBCOMMANDS = ("blockspec.bench.cli", "blockspec.server.cli", "blockspec.train.cli")  # each has register(sub)
+# Each has register(sub), which adds its subcommands.
+SUBCOMMANDS = ("blockspec.bench.cli", "blockspec.server.cli", "blockspec.train.cli")
 DEMO_PROMPT = "Write a Python function that checks whether a number is prime."
 
 
@@ -39,7 +40,9 @@ def run_generate(args: argparse.Namespace) -> None:
     print(out.text)
     stats = out.stats
     note = "" if out.speculative_algorithm == "DFLASH" else " (plain decoding: no DFlash draft in use)"
-    steps = f" over {len(stats.accept_lengths)} DFlash steps + {stats.plain_steps} plain steps" if stats.plain_steps else ""
+    steps = ""
+    if stats.plain_steps:
+        steps = f" over {len(stats.accept_lengths)} DFlash steps + {stats.plain_steps} plain steps"
     if stats.lookup_accept_lengths:
         steps += (f"; {len(stats.lookup_accept_lengths)} prompt-lookup steps "
                   f"(tau {stats.lookup_mean_accept_length:.2f})")
@@ -52,7 +55,8 @@ def run_generate(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="blockspec", description="DFlash block-diffusion speculative decoding")
+    parser = argparse.ArgumentParser(prog="blockspec",
+                                     description="DFlash block-diffusion speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one prompt")

@@ -17,7 +17,8 @@ ALGORITHMS = ("DFLASH", "NONE")
 # The command-line flag of each field whose name differs, for error messages.
 FLAGS = {"max_num_seqs": "--max-running-requests", "max_total_tokens": "--max-total-tokens",
          "prefill_tokens_per_step": "--prefill-tokens-per-step", "max_model_len": "--max-model-len",
-         "threads": "--threads", "block_size": "--block-size", "mask_token_id": "--mask-token-id", "seed": "--seed"}
+         "threads": "--threads", "block_size": "--block-size", "mask_token_id": "--mask-token-id",
+         "seed": "--seed"}
 
 
 def _positive(value: object) -> bool:
@@ -27,8 +28,8 @@ def _positive(value: object) -> bool:
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str | None = None  # a Hugging Face target folder; None: the embedded SmolLM2-135M-Instruct
-    draft_model_path: str | None = None  # a z-lab DFlash draft; None: the shipped draft of the embedded target
-    speculative_algorithm: str | None = None  # "DFLASH", "NONE" (plain decoding), None: DFLASH if a draft is at hand
+    draft_model_path: str | None = None  # a z-lab DFlash draft; None: the embedded target's shipped draft
+    speculative_algorithm: str | None = None  # "DFLASH", "NONE" (plain decoding); None: DFLASH given a draft
     block_size: int | None = None  # DFlash block size; None: the draft's own
     mask_token_id: int | None = None  # overrides the draft's mask token
     mask_token: str | None = None
@@ -56,20 +57,24 @@ class EngineConfig:
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
         if not isinstance(self.adaptive_speculation, bool):
-            raise BlockspecError(f"adaptive_speculation={self.adaptive_speculation!r} must be True or False.")
+            raise BlockspecError(f"adaptive_speculation={self.adaptive_speculation!r} must be True or "
+                                 f"False.")
         ngram = self.prompt_lookup_ngram
         if isinstance(ngram, bool) or not isinstance(ngram, int) or ngram < 0:
-            raise BlockspecError(f"prompt_lookup_ngram={ngram!r} must be an integer >= 1 (the shortest context "
-                                 f"match whose continuation is proposed), or 0 to turn prompt lookup off.")
+            raise BlockspecError(f"prompt_lookup_ngram={ngram!r} must be an integer >= 1 (the shortest "
+                                 f"context match whose continuation is proposed), or 0 to turn prompt "
+                                 f"lookup off.")
         width = self.prompt_lookup_block_size
         if width is not None and (not _positive(width) or not 2 <= width <= 64):
-            raise BlockspecError(f"prompt_lookup_block_size={width!r} must be an integer in [2, 64] (the pending "
-                                 f"token + the proposed tokens verified in one pass), or None for max(4, block size).")
-        for name in ("max_num_seqs", "max_total_tokens", "prefill_tokens_per_step", "max_model_len", "threads"):
+            raise BlockspecError(f"prompt_lookup_block_size={width!r} must be an integer in [2, 64] (the "
+                                 f"pending token + the proposed tokens verified in one pass), or None for "
+                                 f"max(4, block size).")
+        for name in ("max_num_seqs", "max_total_tokens", "prefill_tokens_per_step", "max_model_len",
+                     "threads"):
             value = getattr(self, name)
             if value is not None and not _positive(value):
                 raise BlockspecError(f"{name}={value!r} ({FLAGS[name]}) must be an integer >= 1.")
-        for name in ("block_size", "mask_token_id", "seed"):  # their ranges are the draft's and torch's to check
+        for name in ("block_size", "mask_token_id", "seed"):  # ranges: the draft's and torch's to check
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise BlockspecError(f"{name}={value!r} ({FLAGS[name]}) must be an integer.")
@@ -83,8 +88,10 @@ class EngineConfig:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model-path", default=None, help="HF target folder (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--draft-model-path", "--speculative-draft-model-path", dest="draft_model_path", default=None)
+    g.add_argument("--model-path", default=None,
+                   help="HF target folder (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--draft-model-path", "--speculative-draft-model-path", dest="draft_model_path",
+                   default=None)
     g.add_argument("--speculative-algorithm", type=str.upper, choices=list(ALGORITHMS), default=None)
     g.add_argument("--block-size", "--speculative-num-draft-tokens", "--speculative-dflash-block-size",
                    dest="block_size", type=int, default=None)
@@ -97,22 +104,26 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="take a plain decode step instead of a DFlash step when the measured step costs and "
                         "acceptance say it is faster (output is identical either way; default: on)")
     g.add_argument("--prompt-lookup-ngram", type=int, default=2, metavar="N",
-                   help="DFlash requests: when the context already holds the last N (or more, up to 8) tokens, "
-                        "propose what followed them there instead of drafting (output is identical either way; "
-                        "0: off; default: 2)")
+                   help="DFlash requests: when the context already holds the last N (or more, up to 8) "
+                        "tokens, propose what followed them there instead of drafting (output is identical "
+                        "either way; 0: off; default: 2)")
     g.add_argument("--prompt-lookup-block-size", type=int, default=None, metavar="W",
-                   help="tokens verified per prompt-lookup step, the pending one included (default: max(4, B))")
+                   help="tokens verified per prompt-lookup step, the pending one included "
+                        "(default: max(4, B))")
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's choice)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op CPU threads (default: torch's choice)")
 
 
 def add_serving_args(p: argparse.ArgumentParser, default_running: int) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--max-running-requests", dest="max_num_seqs", type=int, default=default_running,
                    help=f"requests decoded together, one KV slot each (default {default_running})")
-    g.add_argument("--max-total-tokens", "--kv-budget-tokens", dest="max_total_tokens", type=int, default=None,
-                   help="KV memory budget in tokens, shared by target and draft caches (each token is one row in "
-                        "both); when running requests outgrow it the youngest is preempted and recomputed later "
-                        "(default: every slot can hold a full-context request, so nothing is ever preempted)")
+    g.add_argument("--max-total-tokens", "--kv-budget-tokens", dest="max_total_tokens", type=int,
+                   default=None,
+                   help="KV memory budget in tokens, shared by target and draft caches (each token is one "
+                        "row in both); when running requests outgrow it the youngest is preempted and "
+                        "recomputed later (default: every slot can hold a full-context request, so nothing "
+                        "is ever preempted)")
     g.add_argument("--prefill-tokens-per-step", type=int, default=None,
                    help="prompt tokens prefilled per engine step alongside decoding (default 512)")

@@ -27,11 +27,13 @@ def resolve_device(name: str | torch.device | None) -> torch.device:
         return torch.device("cpu")
     if key is not None and (key == "cuda" or (key.startswith("cuda:") and key[5:].isdigit())):
         if not torch.cuda.is_available():
-            raise BlockspecError(f"--device {name!r}: no CUDA device is visible to torch (torch {torch.__version__}, "
-                                 f"CUDA build {torch.version.cuda}). Use --device cpu, which blockspec supports.")
+            raise BlockspecError(f"--device {name!r}: no CUDA device is visible to torch (torch "
+                                 f"{torch.__version__}, CUDA build {torch.version.cuda}). Use --device cpu, "
+                                 f"which blockspec supports.")
         if key != "cuda" and int(key[5:]) >= torch.cuda.device_count():
-            raise BlockspecError(f"--device {name!r}: only {torch.cuda.device_count()} CUDA device(s) are visible "
-                                 f"(cuda:0..cuda:{torch.cuda.device_count() - 1}). Pick one of those.")
+            count = torch.cuda.device_count()
+            raise BlockspecError(f"--device {name!r}: only {count} CUDA device(s) are visible "
+                                 f"(cuda:0..cuda:{count - 1}). Pick one of those.")
         return torch.device(key)
     raise BlockspecError(f"Unsupported --device {name!r}: blockspec accepts {accepted}.")
 

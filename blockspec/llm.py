@@ -64,7 +64,8 @@ class LLM:
 
     def __init__(self, config: EngineConfig | None = None, **settings) -> None:
         if config is not None and settings:
-            raise BlockspecError(f"LLM: pass an EngineConfig or settings, not both (got {sorted(settings)}).")
+            raise BlockspecError(f"LLM: pass an EngineConfig or settings, not both (got "
+                                 f"{sorted(settings)}).")
         cfg = self.config = config if config is not None else EngineConfig(**settings)
         set_threads(cfg.threads)
         if cfg.seed is not None:
@@ -91,7 +92,8 @@ class LLM:
         if draft_path is not None:
             self.draft = load_draft(
                 draft_path, self.target.config, self.dtype, self.device, self.tokenizer.token_to_id,
-                cli_block_size=cfg.block_size, cli_mask_token=cfg.mask_token, cli_mask_token_id=cfg.mask_token_id,
+                cli_block_size=cfg.block_size, cli_mask_token=cfg.mask_token,
+                cli_mask_token_id=cfg.mask_token_id,
             )
         self.speculative_algorithm = "DFLASH" if self.draft is not None else "NONE"
         target_cfg = self.target.config
@@ -130,8 +132,9 @@ class LLM:
         limit = self.runner.max_len - self.max_model_len
         if isinstance(block_size, bool) or not isinstance(block_size, int) or not 2 <= block_size <= limit:
             raise DraftConfigError(
-                f"DFLASH block_size={block_size!r} must be an integer in [2, {limit}] for this LLM (its KV slabs "
-                f"were sized for block_size={limit}); build the LLM with the largest block size you will use."
+                f"DFLASH block_size={block_size!r} must be an integer in [2, {limit}] for this LLM (its KV "
+                f"slabs were sized for block_size={limit}); build the LLM with the largest block size you "
+                f"will use."
             )
         self.speculation.block_size = block_size
         self.runner.tune_layouts(self.speculation.row_counts)
@@ -140,7 +143,8 @@ class LLM:
         """A continuous-batching scheduler over this LLM's engine, decoding with DFlash or plainly."""
         algorithm = (speculative_algorithm or self.speculative_algorithm).upper()
         if algorithm not in ALGORITHMS:
-            raise BlockspecError(f"speculative_algorithm={speculative_algorithm!r}; use one of {ALGORITHMS}.")
+            raise BlockspecError(f"speculative_algorithm={speculative_algorithm!r}; use one of "
+                                 f"{ALGORITHMS}.")
         if algorithm not in self.decoders:
             raise DraftConfigError("DFLASH was requested but this LLM was built without a draft model.")
         return Scheduler(self.runner, self.decoders[algorithm], self.config.max_total_tokens,
@@ -158,8 +162,8 @@ class LLM:
         if len(ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"The prompt has {len(ids)} tokens and max_tokens={params.max_tokens}: together "
-                f"{len(ids) + params.max_tokens} exceed the context length max_model_len={self.max_model_len}. "
-                f"Shorten the prompt or lower max_tokens."
+                f"{len(ids) + params.max_tokens} exceed the context length "
+                f"max_model_len={self.max_model_len}. Shorten the prompt or lower max_tokens."
             )
         return Sequence(ids, params, self.stop_ids)
 

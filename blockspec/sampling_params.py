@@ -25,7 +25,8 @@ class SamplingParams:
             0.0 <= self.temperature < float("inf")
         ):
             raise RequestError(f"temperature={self.temperature!r} must be a number >= 0 (0 means greedy).")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        top_p = self.top_p
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
             raise RequestError(f"top_p={self.top_p!r} must be in (0, 1].")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise RequestError(f"top_k={self.top_k!r} must be an integer >= 1, or 0 / -1 to disable top-k.")
@@ -33,7 +34,8 @@ class SamplingParams:
             raise RequestError(f"seed={self.seed!r} must be an integer or None.")
         bad = [t for t in self.stop_token_ids if isinstance(t, bool) or not isinstance(t, int) or t < 0]
         if bad:
-            raise RequestError(f"stop_token_ids contains invalid ids {bad!r}; they must be non-negative integers.")
+            raise RequestError(f"stop_token_ids contains invalid ids {bad!r}; they must be non-negative "
+                               f"integers.")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
 

@@ -52,12 +52,12 @@ with torch.inference_mode():
         timed("  of which ranking proposals", lambda: head.propose(hidden_draft, vocab))
         candidates = torch.cat([block[:, :1], drafts], dim=1)
         hidden, features = timed(f"DFlash: target pass, {size} rows",
-                                 lambda: runner.verify([seq], candidates, capture=True))
+                                 lambda: runner.target_pass([seq], candidates, capture=True))
         timed("DFlash: target's token choices", lambda: runner.target_choices([seq], hidden))
         timed("DFlash: draft context injection", lambda: runner.inject([seq], features, [start]))
-        hidden1, _ = timed("plain: target pass, 1 row", lambda: runner.verify([seq], candidates[:, :1], False))
+        hidden1, _ = timed("plain: target pass, 1 row", lambda: runner.target_pass([seq], candidates[:, :1], False))
         timed("plain: target pass, 1 row, capturing features",
-              lambda: runner.verify([seq], candidates[:, :1], capture=True))
+              lambda: runner.target_pass([seq], candidates[:, :1], capture=True))
         timed("plain: target's token choice", lambda: runner.target_choices([seq], hidden1))
         for rows in (1, 4, 16):
             backlog = torch.randn(1, rows, features_width)

@@ -22,6 +22,10 @@ from blockspec.models.draft import DFlashDraft
 from blockspec.models.target import CausalLM
 
 
+def slots(seqs: list[Sequence]) -> list[int]:
+    return [s.slot for s in seqs]
+
+
 class ModelRunner:
     def __init__(self, target: CausalLM, draft: DFlashDraft | None, num_slots: int, max_len: int,
                  row_counts: tuple[int, ...] = (), prefill_chunk: int = 512) -> None:
@@ -36,24 +40,25 @@ class ModelRunner:
         self.device = target.device
         if draft is not None and draft.embed_tokens is None:
             draft.use_target_embedding(target.embed_tokens)
-        self.layout_plan: dict[int, str] = {}  # rows -> Linear layout (layout_tuning.py); {}: stored everywhere
+        self.layout_plan: dict[int, str] = {}  # rows -> Linear layout (layout_tuning.py); {}: none
         self.tune_layouts(row_counts)
         target.lm_head.choose_greedy_form()
 
     def tune_layouts(self, row_counts: tuple[int, ...]) -> None:
-        """Time and set the fp32 CPU weight layouts (layout_tuning.py) for one row (a plain step), for each of
-        `row_counts` (batch-1 verify and draft passes) and for batches of them."""
+        """Time and set the fp32 CPU weight layouts (layout_tuning.py) for one row (a plain step), for each
+        of `row_counts` (batch-1 verify and draft passes) and for batches of them."""
         if self.device.type != "cpu" or self.target.dtype != torch.float32:
             return
-        position = min(256, self.max_len - max((DEFAULT_PROBE_ROWS, *row_counts)))  # a typical context length
+        position = min(256, self.max_len - max((DEFAULT_PROBE_ROWS, *row_counts)))  # a typical context
         if self.pool.num_free == 0 or position < 0:
-            return  # no free scratch slot to time in (a block size changed mid-generation): keep the last plan
+            return  # no free scratch slot to time in (set mid-generation): keep the last plan
         slot = self.pool.allocate()
 
         @torch.inference_mode()
         def run(rows: int) -> None:
             ids = torch.randint(0, self.target.config.vocab_size, (1, rows), device=self.device)
-            hidden, _ = self.target(ForwardBatch.in_cache(self.target_cache, [slot], [position], ids), self.capture)
+            batch = ForwardBatch.in_cache(self.target_cache, [slot], [position], ids)
+            hidden, _ = self.target(batch, self.capture)
             self.target.greedy(hidden)
 
         head = self.target.lm_head
@@ -102,7 +107,7 @@ class ModelRunner:
         for row, chunk in enumerate(chunks):
             ids[row, : len(chunk)] = torch.tensor(chunk, device=self.device)
         starts = [s.num_cached for s in seqs]
-        hidden, features = self.verify(seqs, ids, capture)
+        hidden, features = self.target_pass(seqs, ids, capture)
         if capture:
             self.inject(seqs, features, starts)
         for seq, chunk in zip(seqs, chunks):
@@ -116,10 +121,11 @@ class ModelRunner:
         for seq, out in zip(seqs, self.target_choices(seqs, hidden)):
             seq.emit([int(out) if seq.params.greedy else next_token(out, seq.params, seq.generator)])
 
-    def verify(self, seqs: list[Sequence], tokens: torch.Tensor, capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def target_pass(self, seqs: list[Sequence], tokens: torch.Tensor,
+                    capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target's causal pass over tokens [b, w] at each row's positions num_cached.., writing their
         K/V: last-layer hidden states [b, w, H] and, with `capture`, the draft's features [b, w, K*H]."""
-        batch = ForwardBatch.in_cache(self.target_cache, [s.slot for s in seqs], [s.num_cached for s in seqs], tokens)
+        batch = ForwardBatch.in_cache(self.target_cache, slots(seqs), [s.num_cached for s in seqs], tokens)
         return self.target(batch, self.capture if capture else ())
 
     def target_choices(self, seqs: list[Sequence], hidden: torch.Tensor) -> list[torch.Tensor]:
@@ -129,7 +135,7 @@ class ModelRunner:
         sampled = [row for row, s in enumerate(seqs) if not s.params.greedy]
         out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
         if greedy:
-            choices = self.target.greedy(hidden[greedy]).cpu()  # one device sync for the batch, not one per row
+            choices = self.target.greedy(hidden[greedy]).cpu()  # one device sync for the batch, not per row
             for i, row in enumerate(greedy):
                 out[row] = choices[i]
         if sampled:
@@ -138,10 +144,10 @@ class ModelRunner:
                 out[row] = logits[i]
         return out
 
-    def draft_block(self, seqs: list[Sequence], block: torch.Tensor) -> torch.Tensor:
+    def draft_proposals(self, seqs: list[Sequence], block: torch.Tensor) -> torch.Tensor:
         """The draft's proposals [b, B-1] for blocks [bonus, MASK...] [b, B] at each row's num_cached: its
         hidden states scored by the target's LM head (over the draft's vocabulary, if it has one)."""
-        batch = ForwardBatch.in_cache(self.draft_cache, [s.slot for s in seqs], [s.num_cached for s in seqs], block,
+        batch = ForwardBatch.in_cache(self.draft_cache, slots(seqs), [s.num_cached for s in seqs], block,
                                       among_new="all")
         hidden = self.draft(batch)[:, 1:]
         best = self.target.lm_head.propose(hidden.reshape(-1, hidden.shape[-1]), self.draft.vocab)
@@ -149,5 +155,5 @@ class ModelRunner:
 
     def inject(self, seqs: list[Sequence], features: torch.Tensor, starts: list[int]) -> None:
         """Write the draft's context K/V for target features [b, n, K*H] at positions starts[i].. ."""
-        batch = ForwardBatch.in_cache(self.draft_cache, [s.slot for s in seqs], starts, num_new=features.shape[1])
+        batch = ForwardBatch.in_cache(self.draft_cache, slots(seqs), starts, num_new=features.shape[1])
         self.draft.inject(features, batch)

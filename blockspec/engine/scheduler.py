@@ -7,7 +7,8 @@ Policy (one step = `Scheduler.step`):
    in the draft cache (they share the slot space), so one budget covers both. A running request
    holds `num_cached + width` tokens, where width is the rows its next step may write (the decoder's
    step width: the block size B or the prompt-lookup width for DFlash, 1 for plain decoding); a request
-   still prefilling holds its whole prefill length + width from the moment it is admitted. Holdings grow as requests decode; when their sum exceeds
+   still prefilling holds its whole prefill length + width from the moment it is admitted. Holdings
+   grow as requests decode; when their sum exceeds
    the budget, the youngest running request (latest arrival) is preempted: its slot is freed and it
    goes back to the *front* of the queue. It keeps every token it has generated; when readmitted it
    recomputes the KV of prompt + output[:-1] (`ModelRunner.prefill`) and resumes from its pending token,
@@ -65,14 +66,16 @@ class Scheduler:
         self.width = decoder.step_width
         capacity = runner.pool.num_slots * runner.max_len
         if max_total_tokens is not None and (
-            isinstance(max_total_tokens, bool) or not isinstance(max_total_tokens, int) or max_total_tokens < 1
+            isinstance(max_total_tokens, bool) or not isinstance(max_total_tokens, int)
+            or max_total_tokens < 1
         ):
             raise RequestError(f"max_total_tokens={max_total_tokens!r} must be a positive integer.")
         self.max_total_tokens = min(max_total_tokens or capacity, capacity)
         self.prefill_tokens_per_step = prefill_tokens_per_step or runner.prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._prefill_ids: dict[int, list[int]] = {}  # prefilling seq_id -> ids to prefill (progress: num_cached)
+        # prefilling seq_id -> the ids to prefill (progress: its num_cached)
+        self._prefill_ids: dict[int, list[int]] = {}
         self.num_preemptions = 0
 
     # ---- queries -------------------------------------------------------------------------------
@@ -93,13 +96,15 @@ class Scheduler:
         return len(seq.prompt_ids) + seq.params.max_tokens - 1 + self.width
 
     def check(self, seq: Sequence) -> None:
-        """Raise RequestError if the request could never run (reads only constants: callable from any thread)."""
+        """Raise RequestError if the request could never run (reads only constants: any thread may
+        call it)."""
         need = self.max_need(seq)
         limit = min(self.max_total_tokens, self.runner.max_len)
         if need > limit:
             raise RequestError(
                 f"The prompt has {len(seq.prompt_ids)} tokens and max_tokens={seq.params.max_tokens}: with "
-                f"{self.width} scratch rows per step the request needs {need} KV tokens, more than this engine "
+                f"{self.width} scratch rows per step the request needs {need} KV tokens, more than this "
+                f"engine "
                 f"can hold for one request ({limit}). Shorten the prompt, lower max_tokens, or raise the KV "
                 f"budget (--max-total-tokens) / --max-model-len."
             )
@@ -184,7 +189,8 @@ class Scheduler:
         """Run this step's share of prefill; sequences whose prefill ends get their first token."""
         left = self.prefill_tokens_per_step
         rows: list[tuple[Sequence, list[int]]] = []
-        for seq in sorted((s for s in self.running if s.seq_id in self._prefill_ids), key=lambda s: s.arrival_time):
+        prefilling = (s for s in self.running if s.seq_id in self._prefill_ids)
+        for seq in sorted(prefilling, key=lambda s: s.arrival_time):
             if left <= 0:
                 break
             ids = self._prefill_ids[seq.seq_id]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RequestStats:
-    # Tokens committed per DFlash verify step, the bonus included (1..block size); plain decoding: 1 per step.
+    # Tokens committed per DFlash verify step, the bonus included (1..block size); plain decoding: 1 a step.
     accept_lengths: list[int] = field(default_factory=list)
     # Tokens committed per prompt-lookup step (a copy from the context verified instead of a draft block):
     # kept apart so that tau stays the draft's own.
@@ -51,7 +51,8 @@ class RequestStats:
     def summary(self) -> dict:
         """The JSON fields every report shares."""
         lookup_tau = self.lookup_mean_accept_length
-        return {"accept_lengths": list(self.accept_lengths), "mean_accept_length": round(self.mean_accept_length, 4),
+        return {"accept_lengths": list(self.accept_lengths),
+                "mean_accept_length": round(self.mean_accept_length, 4),
                 "num_verify_steps": len(self.accept_lengths), "num_plain_steps": self.plain_steps,
                 "lookup_accept_lengths": list(self.lookup_accept_lengths),
                 "num_lookup_steps": len(self.lookup_accept_lengths),

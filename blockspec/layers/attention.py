@@ -14,7 +14,8 @@ class Attention(nn.Module):
     """Writes the new tokens' K/V to the cache and attends over what `ForwardBatch` lets each query see.
     `window`: a sliding-window layer (context keys more than window - 1 positions back are hidden)."""
 
-    def __init__(self, layer_id: int, heads: int, kv_heads: int, head_dim: int, window: int | None = None) -> None:
+    def __init__(self, layer_id: int, heads: int, kv_heads: int, head_dim: int,
+                 window: int | None = None) -> None:
         super().__init__()
         self.layer_id, self.heads, self.kv_heads, self.head_dim = layer_id, heads, kv_heads, head_dim
         self.window = window
@@ -34,7 +35,7 @@ class Attention(nn.Module):
         return attention(q, keys, values, mask)
 
     def store(self, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> None:
-        """Write K/V [b, n, kv_heads, d] to the new tokens' cache rows (alone: a draft's injected context)."""
+        """Write K/V [b, n, kv_heads, d] to the new tokens' cache rows (on its own: a draft's context)."""
         cache_k, cache_v = batch.cache.k_layers[self.layer_id], batch.cache.v_layers[self.layer_id]
         if batch.size == 1:
             slot, start, n = batch.slots[0], batch.starts[0], k.shape[1]

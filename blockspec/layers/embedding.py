@@ -98,7 +98,8 @@ class LMHead(Linear):
         self.int8 = None
         self._subsets = None
         weight = self.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.float32 or not Int8ArgmaxHead.supports(weight):
+        cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
+        if not cpu_fp32 or not Int8ArgmaxHead.supports(weight):
             return
         h = torch.randn(1, weight.shape[1], generator=torch.Generator().manual_seed(0), dtype=weight.dtype)
         costs = []

@@ -25,28 +25,29 @@ class ForwardBatch:
     among_new: Structure = "causal"
     cache: KVCache | None = None
     slots: list[int] = field(default_factory=list)  # cache forwards: the KV slot of each row
-    starts: list[int] = field(default_factory=list)  # cache forwards: the KV row of each row's first new token
+    starts: list[int] = field(default_factory=list)  # cache forwards: the KV row of each first new token
     context_positions: torch.Tensor | None = None  # no cache: [b, T] positions of the context K/V given
     context_visible: torch.Tensor | None = None  # no cache: bool [b, n, T]
     _memo: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def in_cache(cls, cache: KVCache, slots: list[int], starts: list[int], input_ids: torch.Tensor | None = None,
-                 num_new: int | None = None, among_new: Structure = "causal") -> ForwardBatch:
+    def in_cache(cls, cache: KVCache, slots: list[int], starts: list[int],
+                 input_ids: torch.Tensor | None = None, num_new: int | None = None,
+                 among_new: Structure = "causal") -> ForwardBatch:
         """New tokens (input_ids [b, n], or num_new of them fed as hidden states) at positions starts[i]..
         of each row's slot, written to KV rows starts[i].. (rows past a sequence's commit point are scratch:
         the next forward overwrites them before anything attends to them). The cache readies the rows the
         forward will touch."""
         n = input_ids.shape[1] if input_ids is not None else num_new
         device = cache.device
-        positions = torch.tensor(starts, device=device).view(-1, 1) + torch.arange(n, device=device).view(1, n)
+        positions = torch.tensor(starts, device=device).view(-1, 1) + torch.arange(n, device=device)
         batch = cls(input_ids, positions, among_new, cache, list(slots), list(starts))
         cache.prepare(batch.slots, batch.kv_length)
         return batch
 
     @classmethod
-    def standalone(cls, input_ids: torch.Tensor | None, positions: torch.Tensor, among_new: Structure = "causal",
-                   context_positions: torch.Tensor | None = None,
+    def standalone(cls, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                   among_new: Structure = "causal", context_positions: torch.Tensor | None = None,
                    context_visible: torch.Tensor | None = None) -> ForwardBatch:
         """A forward with no KV cache: the new tokens attend to each other (by `among_new`) and to the
         context K/V the caller passes to each layer (positions [b, T], visibility bool [b, n, T])."""
@@ -85,7 +86,8 @@ class ForwardBatch:
             self._memo["write"] = (self.slot_tensor().view(-1, 1, 1), rows.unsqueeze(1))
         return self._memo["write"]
 
-    def attention_mask(self, groups: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor | None:
+    def attention_mask(self, groups: int, dtype: torch.dtype,
+                       window: int | None = None) -> torch.Tensor | None:
         """The additive mask `attention` takes (0 / -inf, [b, 1, groups * n, L], query heads of a KV group
         folded into the query axis), or None where every query sees every key. `window`: a sliding-window
         layer also hides context keys more than window - 1 positions before the query. Built once per

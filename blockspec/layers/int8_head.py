@@ -29,7 +29,8 @@ class Int8ArgmaxHead:
     def __init__(self, weight: torch.Tensor) -> None:
         """weight: the fp32 LM head [V, H] (kept by reference for the exact recomputation)."""
         if not self.supports(weight):
-            raise ValueError(f"Int8ArgmaxHead needs a hidden size that is a multiple of 16, got {list(weight.shape)}")
+            raise ValueError(f"Int8ArgmaxHead needs a hidden size that is a multiple of 16, got "
+                             f"{list(weight.shape)}")
         self.weight = weight
         w = weight.detach().float()
         amax = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny * 127)
@@ -43,7 +44,7 @@ class Int8ArgmaxHead:
         self.bound_scale = (0.76 + accumulation) * self.scale.float()  # times |h|_1 per row
 
     def rows(self, ids: torch.Tensor) -> "Int8ArgmaxHead":
-        """A head over the token ids `ids` only, for `scores` (a draft vocabulary); its `argmax` is unusable."""
+        """A head over the token ids `ids` only, for `scores` (a draft vocabulary); no `argmax`."""
         sub = object.__new__(Int8ArgmaxHead)
         sub.weight = None
         sub.qweight, sub.scale, sub.bound_scale = self.qweight[ids], self.scale[ids], self.bound_scale[ids]

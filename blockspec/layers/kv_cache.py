@@ -23,19 +23,20 @@ class KVCache:
         lazy = torch.device(device).type == "cpu"
         self.k = (torch.empty if lazy else torch.zeros)(shape, dtype=dtype, device=device)
         self.v = (torch.empty if lazy else torch.zeros)(shape, dtype=dtype, device=device)
-        # Per-layer views (fewer index ops per write). Not unbind(): its views refuse in-place writes in grad mode.
+        # Per-layer views (fewer index ops per write). Not unbind(): its views refuse in-place writes in
+        # grad mode.
         self.k_layers = [self.k[i] for i in range(num_layers)]
         self.v_layers = [self.v[i] for i in range(num_layers)]
         self.max_len, self.device = max_len, self.k.device
-        self._clean_upto = [0 if lazy else max_len] * num_slots  # rows below this are zeroed or written, per slot
+        self._clean_upto = [0 if lazy else max_len] * num_slots  # per slot: rows below are zeroed or written
 
     @classmethod
     def for_model(cls, model, num_slots: int, max_len: int) -> KVCache:
         """A cache for `model` (a target or a draft: its config's layer count, KV heads and head size, in its
         dtype on its device)."""
         cfg = model.config
-        return cls(cfg.num_hidden_layers, num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim, model.dtype,
-                   model.device)
+        return cls(cfg.num_hidden_layers, num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim,
+                   model.dtype, model.device)
 
     def prepare(self, slots: list[int], length: int) -> None:
         """Zero each row below `length` of these slots that no forward has touched yet. Batched attention

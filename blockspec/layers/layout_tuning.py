@@ -42,13 +42,15 @@ def apply_plan(linears: list[Linear], plan: dict[int, str] | None) -> None:
 
 
 def plan_key(linears: list[Linear], counts: tuple[int, ...]) -> str:
-    """What a measured plan holds for: the CPU, the thread count, torch, the weight shapes, the row counts."""
+    """What a measured plan holds for: the CPU, thread count, torch, the weight shapes, the row counts."""
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
-        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                   cpu)
-    shapes = hashlib.sha256(repr([(m.in_features, m.out_features) for m in linears]).encode()).hexdigest()[:16]
-    return f"{PLAN_VERSION}|{cpu}|threads={torch.get_num_threads()}|torch={torch.__version__}|shapes={shapes}|rows={sorted(set(counts))}"
+        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                    if line.startswith("model name")), cpu)
+    shapes = repr([(m.in_features, m.out_features) for m in linears])
+    digest = hashlib.sha256(shapes.encode()).hexdigest()[:16]
+    return (f"{PLAN_VERSION}|{cpu}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+            f"|shapes={digest}|rows={sorted(set(counts))}")
 
 
 def read_plans(path: Path) -> dict[str, dict[int, str]]:
@@ -97,7 +99,7 @@ def tune_layouts(linears: list[Linear], run: Callable[[int], None], counts: tupl
                 seconds[layout] = statistics.median(times)
             plan[rows] = min(seconds, key=seconds.get)
         saved[key] = _measured[key] = plan
-        if time.perf_counter() - began > SAVE_AFTER_S:  # a tiny model re-measures faster than it reads a file
+        if time.perf_counter() - began > SAVE_AFTER_S:  # a tiny model measures faster than it reads a file
             write_plans(path, saved)
     apply_plan(linears, plan)
     return dict(plan)

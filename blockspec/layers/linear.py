@@ -21,7 +21,8 @@ class Linear(nn.Module):
         super().__init__()
         self.shards = list(out_features) if isinstance(out_features, (list, tuple)) else [out_features]
         if shard_names is not None and len(shard_names) != len(self.shards):
-            raise ValueError(f"Linear: {len(self.shards)} fused parts need as many shard_names, got {shard_names}")
+            raise ValueError(f"Linear: {len(self.shards)} fused parts need as many shard_names, got "
+                             f"{shard_names}")
         self.shard_names = tuple(shard_names) if shard_names is not None else None
         self.in_features = in_features
         self.out_features = sum(self.shards)

@@ -28,7 +28,8 @@ class RMSNorm(nn.Module):
 
     def fold_into(self, projection: Linear) -> None:
         """Move the weight into the projection this norm feeds (W (g * x) == (W diag g) x): a vector
-        multiply less per call. Output changes by rounding only; the layer no longer matches its checkpoint."""
+        multiply less per call. Output changes by rounding only; the layers no longer match their
+        checkpoint."""
         if self.weight is not None:
             projection.scale_inputs(self.weight)
             self.weight = None

@@ -27,9 +27,11 @@ ContextKV = tuple[torch.Tensor, torch.Tensor]  # K, V [b, T, kv_heads, d] of pro
 class DraftAttention(nn.Module):
     def __init__(self, cfg: DraftConfig, layer_id: int) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, [q_width, kv_width, kv_width], shard_names=("q_proj", "k_proj", "v_proj"))
+        self.qkv_proj = Linear(cfg.hidden_size, [q_width, kv_width, kv_width],
+                               shard_names=("q_proj", "k_proj", "v_proj"))
         self.o_proj = Linear(q_width, cfg.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -61,7 +63,8 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope, context: ContextKV | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope,
+                context: ContextKV | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, rope, context)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -96,7 +99,8 @@ class DFlashDraft(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         embedding = self.embed_tokens if self.embed_tokens is not None else self.target_embedding
         if embedding is None:
-            raise ValueError("DFlashDraft: no embedding: call use_target_embedding(target.embed_tokens) first.")
+            raise ValueError("DFlashDraft: no embedding: call use_target_embedding(target.embed_tokens) "
+                             "first.")
         return embedding(ids).to(self.dtype)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:

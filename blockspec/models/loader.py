@@ -54,8 +54,8 @@ def read_header(path: Path) -> dict[str, dict]:
     data_end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
     if 8 + header_len + data_end > size:
         raise ModelLoadError(
-            f"{path} is truncated: its header needs {8 + header_len + data_end} bytes but the file has {size}. "
-            f"Re-download or re-convert it."
+            f"{path} is truncated: its header needs {8 + header_len + data_end} bytes but the file has "
+            f"{size}. Re-download or re-convert it."
         )
     return header
 
@@ -68,11 +68,13 @@ def checkpoint_index(folder: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
         files = sorted({folder / name for name in weight_map.values()})
         for file in files:
             if not file.is_file():
-                raise ModelLoadError(f"{index_file} lists shard {file.name}, which is missing from {folder}.")
+                raise ModelLoadError(f"{index_file} lists shard {file.name}, which is missing from "
+                                     f"{folder}.")
     else:
         files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"No *.safetensors weights in {folder}. Convert the checkpoint to safetensors first.")
+        raise ModelLoadError(f"No *.safetensors weights in {folder}. Convert the checkpoint to safetensors "
+                             f"first.")
     index: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for file in files:
         for name, entry in read_header(file).items():
@@ -101,19 +103,20 @@ def copy_layer(dst: nn.Module, src: nn.Module, scale: float | torch.Tensor = 1.0
 
 
 def load_into(model: nn.Module, folder: Path, names: dict[str, tuple[nn.Module, str, torch.Tensor]]) -> None:
-    """Check every expected tensor's presence and shape in the checkpoint, then let each layer load its own."""
+    """Check every expected tensor's presence and shape in the checkpoint, then let each layer load its
+    own."""
     index = checkpoint_index(folder)
     for name, (_, _, tensor) in names.items():
         if name not in index:
             raise ModelLoadError(
-                f"Tensor {name!r} is missing from the checkpoint in {folder}. The checkpoint does not match its "
-                f"config.json (wrong architecture or an incomplete download)."
+                f"Tensor {name!r} is missing from the checkpoint in {folder}. The checkpoint does not match "
+                f"its config.json (wrong architecture or an incomplete download)."
             )
         file, shape = index[name]
         if shape != tuple(tensor.shape):
             raise ModelLoadError(
-                f"Tensor {name!r} in {file} has shape {list(shape)}, but config.json implies {list(tensor.shape)}. "
-                f"The weights and config.json come from different models."
+                f"Tensor {name!r} in {file} has shape {list(shape)}, but config.json implies "
+                f"{list(tensor.shape)}. The weights and config.json come from different models."
             )
     handles: dict[Path, object] = {}
     for name, (layer, own_name, _) in names.items():
@@ -158,7 +161,8 @@ def load_draft(
 ) -> DFlashDraft:
     """Resolve and validate the draft's config and tensor shapes, then load its weights."""
     folder = Path(folder)
-    hint = "Pass --draft-model-path pointing at a DFlash draft (config.json + model.safetensors, z-lab format)."
+    hint = ("Pass --draft-model-path pointing at a DFlash draft (config.json + model.safetensors, z-lab "
+            "format).")
     config_path, raw = read_config_json(folder, "Draft", hint)
     cfg = resolve_draft_config(
         raw, target=target, source=str(config_path), cli_block_size=cli_block_size,

@@ -24,7 +24,8 @@ from blockspec.models.config import ModelConfig
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, [q_width, kv_width, kv_width], cfg.attention_bias,
                                shard_names=("q_proj", "k_proj", "v_proj"))
@@ -47,7 +48,8 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden, [intermediate, intermediate], bias, shard_names=("gate_proj", "up_proj"))
+        self.gate_up_proj = Linear(hidden, [intermediate, intermediate], bias,
+                                   shard_names=("gate_proj", "up_proj"))
         self.down_proj = Linear(intermediate, hidden, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +81,8 @@ class CausalLM(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, self.embed_tokens if cfg.tie_word_embeddings else None)
+        tied = self.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, tied)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling)
 
     @property
@@ -90,7 +93,8 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.device
 
-    def forward(self, batch: ForwardBatch, capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, batch: ForwardBatch,
+                capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the batch's new tokens (writing their K/V to its cache, if it has one).
 
         Returns the last layer's hidden states [b, n, H] (before the final norm) and, if `capture` is

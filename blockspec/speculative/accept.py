@@ -26,12 +26,15 @@ def accept(seq: Sequence, candidates: torch.Tensor, host_candidates: torch.Tenso
 def greedy_accept(drafts: torch.Tensor, choice: torch.Tensor) -> tuple[int, int]:
     """drafts [B-1], choice [B] (the target's argmax per position): the longest prefix where
     draft == choice, and the target's choice at the first mismatch (or after the last draft) as the bonus."""
+    if drafts.numel() == 0:  # a plain step
+        return 0, int(choice[0])
     accepted = int((drafts == choice[:-1]).int().cumprod(0).sum())
     return accepted, int(choice[accepted])
 
 
 def sampled_accept(
-    drafts: torch.Tensor, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    drafts: torch.Tensor, target_logits: torch.Tensor, params: SamplingParams,
+    generator: torch.Generator | None,
 ) -> tuple[int, int]:
     """Speculative sampling with a deterministic (argmax) draft: accept d_i with probability p_i(d_i);
     at the first rejection draw the bonus from p_i with d_i removed and renormalised; if all are

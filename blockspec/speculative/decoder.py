@@ -54,7 +54,9 @@ class Decoder:
         spec = self.speculation
         if spec is None:
             return StepPlan.plain(len(seqs), capture=False)
-        copies = lookups(seqs, spec.lookup_ngram, spec.lookup_width - 1) if spec.lookup_ngram else [[]] * len(seqs)
+        copies = [[]] * len(seqs)
+        if spec.lookup_ngram:
+            copies = lookups(seqs, spec.lookup_ngram, spec.lookup_width - 1)
         return choose_plan(seqs, copies, spec, self.governor)
 
     @torch.inference_mode()
@@ -70,23 +72,21 @@ class Decoder:
 
         # 2. Verify: one target pass over [pending, candidates...] per row.
         pending = torch.tensor([[s.pending_token] for s in seqs], device=device)
-        hidden, features = runner.verify(seqs, torch.cat([pending, candidates], dim=1), plan.capture)
+        hidden, features = runner.target_pass(seqs, torch.cat([pending, candidates], dim=1), plan.capture)
         targets = runner.target_choices(seqs, hidden)
 
         # 3. Accept: per row, the candidates the target keeps and its own token after them.
         host = candidates.cpu()
-        outcomes = []
-        for row, seq in enumerate(seqs):
-            n = plan.judged(row, self.speculation.block_size if self.speculation else 1)
-            outcomes.append(accept(seq, candidates[row, :n], host[row, :n], targets[row][: n + 1]))
+        outcomes = [accept(seq, candidates[row, :n], host[row, :n], targets[row][: n + 1])
+                    for row, (seq, n) in enumerate(zip(seqs, plan.judged))]
 
-        # 4. Commit: the accepted tokens and the bonus; the cache keeps exactly them (rows past the new length
-        #    are scratch). The draft takes the features now if it ran, else they wait on the sequence.
+        # 4. Commit: the accepted tokens and the bonus; the cache keeps exactly them (rows past the new
+        #    length are scratch). The draft takes the features now if it ran, else they wait on the sequence.
         if plan.drafts:
             runner.inject(seqs, features, starts)
         for row, (seq, (accepted, bonus)) in enumerate(zip(seqs, outcomes)):
             seq.num_cached += accepted + 1
-            self.record(seq, plan.sources[row], accepted + 1, plan.capture)
+            tally(seq, plan.sources[row], accepted + 1, plan.capture)
             if plan.capture and not plan.drafts:
                 seq.unfed_features.extend(features[row, : accepted + 1].unbind(0))
             seq.emit(host[row, :accepted].tolist() + [bonus])
@@ -100,7 +100,8 @@ class Decoder:
         drafted = [row for row, source in enumerate(plan.sources) if source == "draft"]
         if plan.kind == "dflash":
             return self.draft.propose(seqs, spec.block_size)
-        candidates = torch.full((len(seqs), plan.width - 1), spec.mask_token_id if spec else 0, device=device)
+        pad = spec.mask_token_id if spec else 0
+        candidates = torch.full((len(seqs), plan.width - 1), pad, device=device)
         if drafted:
             candidates[drafted, : spec.block_size - 1] = self.draft.propose([seqs[r] for r in drafted],
                                                                              spec.block_size)
@@ -109,12 +110,14 @@ class Decoder:
                 candidates[row, : len(copy)] = torch.tensor(copy, device=device)
         return candidates
 
-    @staticmethod
-    def record(seq: Sequence, source: str, committed: int, speculative: bool) -> None:
-        stats = seq.stats
-        if source == "lookup":
-            stats.lookup_accept_lengths.append(committed)
-        elif source == "draft" or not speculative:
-            stats.accept_lengths.append(committed)  # plain decoding: one verify step of one token
-        else:
-            stats.plain_steps += 1
+
+def tally(seq: Sequence, source: str, committed: int, speculative: bool) -> None:
+    """Count a committed step in the request's statistics; a plain step of a speculative request (one the
+    governor chose) is not a verify step, so the draft's tau stays its own."""
+    stats = seq.stats
+    if source == "lookup":
+        stats.lookup_accept_lengths.append(committed)
+    elif source == "draft" or not speculative:
+        stats.accept_lengths.append(committed)  # plain decoding: one verify step of one token
+    else:
+        stats.plain_steps += 1

@@ -37,4 +37,4 @@ class DFlashProposer:
         """block_size - 1 proposed tokens per row [b, B-1] (the rows must have caught up)."""
         block = torch.full((len(seqs), block_size), self.mask_token_id, device=self.runner.device)
         block[:, 0] = torch.tensor([s.pending_token for s in seqs], device=self.runner.device)
-        return self.runner.draft_block(seqs, block)
+        return self.runner.draft_proposals(seqs, block)

@@ -43,8 +43,9 @@ class SpecGovernor:
     def __post_init__(self) -> None:
         if not (0 < self.alpha <= 1 and 0 < self.tau_alpha <= 1) or min(self.probe_spec_every,
                                                                          self.probe_plain_every) < 1:
-            raise ValueError(f"SpecGovernor: alpha={self.alpha} and tau_alpha={self.tau_alpha} must be in (0, 1] "
-                             f"and the probe intervals ({self.probe_spec_every}, {self.probe_plain_every}) >= 1.")
+            raise ValueError(f"SpecGovernor: alpha={self.alpha} and tau_alpha={self.tau_alpha} must be in "
+                             f"(0, 1] and the probe intervals ({self.probe_spec_every}, "
+                             f"{self.probe_plain_every}) >= 1.")
 
     @staticmethod
     def _average(old: float | None, new: float, alpha: float) -> float:
@@ -68,9 +69,9 @@ class SpecGovernor:
         return sum(taus) / len(taus) * plain > spec
 
     def mix(self, seqs: list[Sequence], copied: list[bool], block_size: int, width: int) -> bool:
-        """Whether a step verifying the copied rows' lookups (`width` rows per sequence, the other rows' draft
-        blocks padded to it) is expected to commit tokens faster than a DFlash step at block_size for all
-        rows. Measures the wide step first where it has no estimate."""
+        """Whether a step verifying the copied rows' lookups (`width` rows per sequence, the other rows'
+        draft blocks padded to it) is expected to commit tokens faster than a DFlash step at block_size for
+        all rows. Measures the wide step first where it has no estimate."""
         wide = self._seconds.get((max(width, block_size), len(seqs)))
         narrow = self._seconds.get((block_size, len(seqs)))
         taus = [self.expected_tau(s, block_size) for s in seqs]
@@ -80,7 +81,7 @@ class SpecGovernor:
         return mixed / wide >= sum(taus) / narrow
 
     def record(self, plan: StepPlan, seqs: list[Sequence], block_size: int, seconds: float) -> None:
-        """Fold in one finished step: its wall time, under its kind and width, and the rows' accept lengths."""
+        """Fold in a finished step: its wall time, under its kind and width, and the rows' accept lengths."""
         if plan.kind in ("lookup", "mixed"):
             key = (max(plan.width, block_size), len(seqs))
             self._seconds[key] = self._average(self._seconds.get(key), seconds, self.alpha)

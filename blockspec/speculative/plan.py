@@ -35,28 +35,32 @@ class Speculation:
 class StepPlan:
     """One decode step: every row verifies `width` tokens, its pending token plus candidates from its
     source ("plain": none; "draft": the DFlash draft's block_size - 1; "lookup": its `copies` entry), in one
-    target pass. `capture`: the step keeps the target's features for the draft."""
+    target pass; acceptance looks at the first `judged[row]` of them (a drafted row's block in a wider mixed
+    step is padded). `capture`: the step keeps the target's features for the draft."""
 
     width: int
     sources: tuple[Source, ...]
     copies: tuple[tuple[int, ...], ...]  # per row: its prompt-lookup candidates (empty unless "lookup")
+    judged: tuple[int, ...]
     capture: bool
 
     @classmethod
     def plain(cls, rows: int, capture: bool) -> StepPlan:
-        return cls(1, ("plain",) * rows, ((),) * rows, capture)
+        return cls(1, ("plain",) * rows, ((),) * rows, (0,) * rows, capture)
 
     @classmethod
     def dflash(cls, rows: int, block_size: int) -> StepPlan:
-        return cls(block_size, ("draft",) * rows, ((),) * rows, True)
+        return cls(block_size, ("draft",) * rows, ((),) * rows, (block_size - 1,) * rows, True)
 
     @classmethod
     def lookup(cls, copies: list[list[int]], speculation: Speculation) -> StepPlan:
-        """Rows with a copy verify it; the others (if any) their draft block, in a pass wide enough for both."""
-        drafting = not all(copies)
-        width = max(speculation.lookup_width, speculation.block_size) if drafting else speculation.lookup_width
+        """Rows with a copy verify it, the others (if any) their draft block, in one pass wide enough for
+        both."""
+        size, lookup_width = speculation.block_size, speculation.lookup_width
+        width = max(lookup_width, size) if not all(copies) else lookup_width
         sources = tuple("lookup" if c else "draft" for c in copies)
-        return cls(width, sources, tuple(tuple(c) for c in copies), True)
+        judged = tuple(len(c) if c else size - 1 for c in copies)
+        return cls(width, sources, tuple(tuple(c) for c in copies), judged, True)
 
     @property
     def kind(self) -> Literal["plain", "dflash", "lookup", "mixed"]:
@@ -70,14 +74,9 @@ class StepPlan:
         """Whether the draft runs this step (it then takes the verified rows' features at once)."""
         return "draft" in self.sources
 
-    def judged(self, row: int, block_size: int) -> int:
-        """How many of the row's candidates acceptance looks at (a drafted row's block in a wider mixed
-        step is padded; the padding is never judged)."""
-        source = self.sources[row]
-        return 0 if source == "plain" else block_size - 1 if source == "draft" else len(self.copies[row])
 
-
-def choose_plan(seqs: list[Sequence], copies: list[list[int]], speculation: Speculation, governor) -> StepPlan:
+def choose_plan(seqs: list[Sequence], copies: list[list[int]], speculation: Speculation,
+                governor) -> StepPlan:
     """Prompt lookup where a row's context has a match (its copy is right far more often than the draft);
     when only some rows have one, a mixed step if the governor expects it to beat a DFlash step for all;
     otherwise a DFlash step or, where the governor expects speculating not to pay, a plain one (which keeps

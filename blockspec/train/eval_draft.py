@@ -21,19 +21,23 @@ from blockspec.errors import BlockspecError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("eval-draft", help="a draft's offline acceptance (tau per block size) on a prompt set",
+    p = sub.add_parser("eval-draft", help="a draft's offline acceptance (tau per block size) on prompts",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default=None, help="HF target folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model-path", default=None,
+                   help="HF target folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft-model-path", default=None, metavar="DIR[,DIR...]",
                    help="drafts to compare (default: the shipped draft of the embedded target)")
-    p.add_argument("--dataset", default="humaneval,mt-bench", help="comma list of humaneval, mt-bench, PATH.jsonl")
+    p.add_argument("--dataset", default="humaneval,mt-bench",
+                   help="comma list of humaneval, mt-bench, PATH.jsonl")
     p.add_argument("--block-sizes", default="2,3,4", help="comma list of block sizes >= 2")
     p.add_argument("--num-prompts", type=int, default=20, help="seeded subset, as bench's")
     p.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers")
     p.add_argument("--seed", type=int, default=0, help="subset seed, as bench's --seed")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's choice)")
-    p.add_argument("--json", dest="json_path", default=None, metavar="OUT.json", help="write the results here")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op CPU threads (default: torch's choice)")
+    p.add_argument("--json", dest="json_path", default=None, metavar="OUT.json",
+                   help="write the results here")
     p.set_defaults(func=run_eval_draft)
 
 
@@ -43,7 +47,8 @@ def _sizes(text: str) -> list[int]:
     except ValueError:
         sizes = []
     if not sizes or sizes[0] < 2:
-        raise BlockspecError(f"--block-sizes {text!r} must be a comma-separated list of integers >= 2, e.g. 2,4,8.")
+        raise BlockspecError(f"--block-sizes {text!r} must be a comma-separated list of integers >= 2, "
+                             f"e.g. 2,4,8.")
     return sizes
 
 
@@ -59,21 +64,23 @@ def run_eval_draft(args: argparse.Namespace) -> None:
 
     sizes = _sizes(args.block_sizes)
     if args.draft_model_path is None and args.model_path is not None:
-        raise BlockspecError("eval-draft: --model-path is not the embedded target, so there is no default draft; "
-                             "pass --draft-model-path DIR.")
+        raise BlockspecError("eval-draft: --model-path is not the embedded target, so there is no default "
+                             "draft; pass --draft-model-path DIR.")
     paths = (args.draft_model_path or str(DEFAULT_DRAFT)).split(",")
     datasets = [load_dataset(name.strip()) for name in args.dataset.split(",") if name.strip()]
     llm = LLM(EngineConfig(model_path=args.model_path, speculative_algorithm="NONE", device=args.device,
                            dtype="float32", threads=args.threads, max_num_seqs=max(1, args.num_prompts)))
     target, tokenizer = llm.target, llm.tokenizer
-    drafts = {path: load_draft(path, target.config, torch.float32, llm.device, tokenizer.token_to_id) for path in paths}
+    drafts = {path: load_draft(path, target.config, torch.float32, llm.device, tokenizer.token_to_id)
+              for path in paths}
     results: dict = {}
     for dataset in datasets:
         prompts, note = select_subset(dataset, args.num_prompts, args.seed)
         if note:
             print(f"note: {note}", file=sys.stderr)
-        prompt_ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p.turns[0]}],
-                                                                     add_generation_prompt=True)) for p in prompts]
+        chats = [[{"role": "user", "content": p.turns[0]}] for p in prompts]
+        prompt_ids = [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt=True))
+                      for c in chats]
         outs = llm.generate(prompt_ids, SamplingParams(max_tokens=args.max_new_tokens, temperature=0.0))
         seqs = [TrainSequence(p + list(o.token_ids), len(p), True) for p, o in zip(prompt_ids, outs)]
         captures = {tuple(d.config.target_layer_ids) for d in drafts.values()}
@@ -81,12 +88,13 @@ def run_eval_draft(args: argparse.Namespace) -> None:
         for path, draft in drafts.items():
             row = {}
             for size in tqdm(sizes, desc=f"{dataset.name} {Path(path).name}", leave=False, file=sys.stderr):
-                got = torch.cat([block_accept_lengths(llm, draft, seq, feats, labels, size) for seq, (feats, labels)
-                                 in zip(seqs, features[tuple(draft.config.target_layer_ids)])])
+                stored = features[tuple(draft.config.target_layer_ids)]
+                got = torch.cat([block_accept_lengths(llm, draft, seq, feats, labels, size)
+                                 for seq, (feats, labels) in zip(seqs, stored)])
                 row[size] = {"tau": round(got.mean().item(), 4), "blocks": got.numel()}
             results.setdefault(dataset.name, {})[path] = row
-            print(f"{dataset.name:10} {path}: " + ", ".join(f"B={b} tau {r['tau']:.3f} ({r['blocks']} blocks)"
-                                                           for b, r in row.items()), flush=True)
+            taus = ", ".join(f"B={b} tau {r['tau']:.3f} ({r['blocks']} blocks)" for b, r in row.items())
+            print(f"{dataset.name:10} {path}: {taus}", flush=True)
     if args.json_path:
         report = {"results": results, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
                   "subset_seed": args.seed, "machine": machine_info(llm.device, llm.dtype),
