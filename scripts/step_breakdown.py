@@ -55,7 +55,8 @@ with torch.inference_mode():
                                  lambda: runner.target_pass([seq], candidates, capture=True))
         timed("DFlash: target's token choices", lambda: runner.target_choices([seq], hidden))
         timed("DFlash: draft context injection", lambda: runner.inject([seq], features, [start]))
-        hidden1, _ = timed("plain: target pass, 1 row", lambda: runner.target_pass([seq], candidates[:, :1], False))
+        hidden1, _ = timed("plain: target pass, 1 row",
+                           lambda: runner.target_pass([seq], candidates[:, :1], False))
         timed("plain: target pass, 1 row, capturing features",
               lambda: runner.target_pass([seq], candidates[:, :1], capture=True))
         timed("plain: target's token choice", lambda: runner.target_choices([seq], hidden1))

@@ -25,11 +25,13 @@ class _BackendModule(torch.utils.backend_registration._DummyBackendModule):
 
 
 # renamed, so that torch counts it as the accelerator (autograd's engine asks for one in backward)
-torch.utils.backend_registration._setup_privateuseone_for_python_backend("fakegpu", backend_module=_BackendModule())
+torch.utils.backend_registration._setup_privateuseone_for_python_backend(
+    "fakegpu", backend_module=_BackendModule())
 FAKE_GPU = torch.device("fakegpu", 0)
 aten = torch.ops.aten
 # CUDA accepts CPU index tensors here (it moves them itself)
-CPU_INDICES_OK = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+CPU_INDICES_OK = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+                  aten._index_put_impl_.default}
 # cross-device by design
 CROSS_DEVICE = {aten._to_copy.default, aten.copy_.default, aten._local_scalar_dense.default}
 
@@ -52,8 +54,8 @@ class FakeGpuTensor(torch.Tensor):
         return self.elem.tolist()
 
     def numpy(self, *, force: bool = False):
-        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to "
-                        "host memory first.")
+        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the "
+                        "tensor to host memory first.")
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -69,7 +71,8 @@ def _check(func, flat: list, on_gpu: bool) -> None:
         return
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
     for g in (x for x in flat if isinstance(x, torch.Generator)):
-        raise RuntimeError(f"{func}: Expected a 'cuda' device type for generator but found '{g.device.type}'")
+        raise RuntimeError(f"{func}: Expected a 'cuda' device type for generator but found "
+                           f"'{g.device.type}'")
     if func in CROSS_DEVICE:
         return
     for i, t in enumerate(tensors):
@@ -77,8 +80,9 @@ def _check(func, flat: list, on_gpu: bool) -> None:
             continue
         if func in CPU_INDICES_OK and i > 0 and t.dtype in (torch.long, torch.int, torch.bool):
             continue
-        raise RuntimeError(f"{func}: Expected all tensors to be on the same device, but found at least two devices, "
-                           f"cuda:0 and cpu! (a CPU tensor of shape {tuple(t.shape)} met a device tensor)")
+        raise RuntimeError(f"{func}: Expected all tensors to be on the same device, "
+                           f"but found at least two devices, cuda:0 and cpu! "
+                           f"(a CPU tensor of shape {tuple(t.shape)} met a device tensor)")
 
 
 def _run(func, args, kwargs):
@@ -88,7 +92,8 @@ def _run(func, args, kwargs):
     _check(func, flat, to_gpu or any(isinstance(x, FakeGpuTensor) for x in flat))
     if to_gpu:
         kwargs = {**kwargs, "device": torch.device("cpu")}
-    # a factory, .to(device), .cpu(): the output lives where it was asked for; any other op where its inputs do
+    # a factory, .to(device), .cpu(): the output lives where it was asked for;
+    # any other op where its inputs do
     on_gpu = to_gpu if "device" in kwargs else any(isinstance(x, FakeGpuTensor) for x in flat)
     args, kwargs = tree_map(lambda x: x.elem if isinstance(x, FakeGpuTensor) else x, (args, kwargs))
     out = func(*args, **kwargs)
@@ -154,7 +159,8 @@ def fake_gpu():
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(torch._C, "_InferenceMode", _NoGradForInference))
         for name in ("__getitem__", "__setitem__"):
-            stack.enter_context(mock.patch.object(torch.Tensor, name, _list_indices_on_cpu(getattr(torch.Tensor, name))))
+            stack.enter_context(mock.patch.object(torch.Tensor, name,
+                                                  _list_indices_on_cpu(getattr(torch.Tensor, name))))
         for name in ("tensor", "as_tensor"):
             stack.enter_context(mock.patch.object(torch, name, _built_on_cpu(getattr(torch, name))))
         stack.enter_context(_FactoryMode())

@@ -44,7 +44,8 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     write_tokenizer(target)
     draft = write_tiny_draft(root / "draft", ModelConfig.from_folder(target), block_size=4)
     data = root / "prompts.jsonl"
-    rows = [{"turns": [" ".join(f"t{5 + (7 * i + j) % 90}" for j in range(6 + i)), "t9 t10 t11"]} for i in range(4)]
+    rows = [{"turns": [" ".join(f"t{5 + (7 * i + j) % 90}" for j in range(6 + i)), "t9 t10 t11"]}
+            for i in range(4)]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return {"root": root, "target": target, "draft": draft, "data": data}
 
@@ -54,7 +55,8 @@ def bench(tiny: dict[str, Path], *extra: str, draft: bool = True, name: str = "o
     """Runs `blockspec bench`; adaptive speculation off unless asked (its choices depend on timing)."""
     out = tiny["root"] / f"{name}.json"
     out.unlink(missing_ok=True)
-    argv = ["bench", "--dataset", str(tiny["data"]), "--max-new-tokens", "10", "--model-path", str(tiny["target"]),
+    argv = ["bench", "--dataset", str(tiny["data"]), "--max-new-tokens", "10",
+            "--model-path", str(tiny["target"]),
             "--device", "cpu", "--dtype", "float32", "--json", str(out), "--no-progress", *extra]
     argv += [] if adaptive else ["--no-adaptive-speculation"]
     if draft:
@@ -74,7 +76,8 @@ def test_humaneval_from_package() -> None:
     assert len(data) == 164
     first = data.prompts[0]
     assert first.source_id == "HumanEval/0" and len(first.turns) == 1
-    assert first.turns[0].startswith(HUMANEVAL_TEMPLATE.split("{")[0]) and "def has_close_elements" in first.turns[0]
+    assert (first.turns[0].startswith(HUMANEVAL_TEMPLATE.split("{")[0])
+            and "def has_close_elements" in first.turns[0])
     assert first.turns[0].endswith("\n```")
 
 
@@ -127,7 +130,8 @@ def test_report_fields_and_plot(tiny, capsys) -> None:
     hist = report["accept_length_histogram"]
     assert len(hist) == 4 and sum(hist) == pytest.approx(1.0, abs=1e-3)
     assert 1.0 <= report["mean_accept_length"] <= 4.0
-    assert report["baseline_tokens_per_s"] > 0 and report["dflash_tokens_per_s"] > 0 and report["speedup"] > 0
+    assert (report["baseline_tokens_per_s"] > 0 and report["dflash_tokens_per_s"] > 0
+            and report["speedup"] > 0)
     assert report["speedup_median"] > 0 and report["methods"]["ar"]["tpot_ms_median"] > 0
     assert len(report["per_prompt"]) == 4
     row = report["per_prompt"][0]
@@ -175,7 +179,8 @@ def test_without_a_draft_reports_plain_decoding(tiny, capsys) -> None:
     code, report = bench(tiny, draft=False)
     assert code == 0
     assert report["baseline_tokens_per_s"] > 0
-    assert report["dflash_tokens_per_s"] is None and report["speedup"] is None and report["outputs_match"] is None
+    assert (report["dflash_tokens_per_s"] is None and report["speedup"] is None
+            and report["outputs_match"] is None)
     assert any("no DFlash draft" in n for n in report["notes"])
     code, _ = bench(tiny, "--baseline", "none", draft=False, name="none")
     assert code == 2 and "--draft-model-path" in capsys.readouterr().err
@@ -185,7 +190,8 @@ def test_hf_baseline_row(tiny) -> None:
     code, report = bench(tiny, "--baseline", "hf", "--num-prompts", "2")
     assert code == 0 and report["num_prompts"] == 2
     assert report["baseline"] == "hf" and report["baseline_tokens_per_s"] == report["hf_tokens_per_s"] > 0
-    assert report["ar_tokens_per_s"] > 0 and report["speedup_vs_ar"] > 0 and report["speedup"] == report["speedup_vs_hf"]
+    assert (report["ar_tokens_per_s"] > 0 and report["speedup_vs_ar"] > 0
+            and report["speedup"] == report["speedup_vs_hf"])
     assert report["ar_speedup_vs_hf"] > 0 and report["ar_speedup_vs_hf_median"] > 0
     assert report["outputs_match"] == 1.0 and report["hf_outputs_match"] is not None
     assert report["per_prompt"][0]["hf_tpot_ms"] > 0

@@ -14,7 +14,8 @@ from tests.tiny import write_tiny_draft, write_tiny_target, write_tiny_tokenizer
 FIELDS = {  # INTERFACE.md's, plus the rest of the request's statistics (adaptive speculation, prompt lookup)
     "text", "token_ids", "num_prompt_tokens", "num_output_tokens", "finish_reason", "speculative_algorithm",
     "block_size", "accept_lengths", "mean_accept_length", "time_to_first_token_s", "decode_tokens_per_s",
-    "num_verify_steps", "num_plain_steps", "lookup_accept_lengths", "num_lookup_steps", "lookup_mean_accept_length",
+    "num_verify_steps", "num_plain_steps", "lookup_accept_lengths", "num_lookup_steps",
+    "lookup_mean_accept_length",
 }
 
 
@@ -79,11 +80,13 @@ def test_api_lengths_and_prompts(tiny):
         llm.generate([[1, 2, 1000]])
     with pytest.raises(BlockspecError, match="speculative_algorithm"):
         LLM(model_path=target, speculative_algorithm="EAGLE")
-    with pytest.raises(BlockspecError, match=r"prompt_lookup_ngram=-1 must be an integer >= 1 .* or 0 to turn"):
+    with pytest.raises(BlockspecError,
+                       match=r"prompt_lookup_ngram=-1 must be an integer >= 1 .* or 0 to turn"):
         LLM(model_path=target, prompt_lookup_ngram=-1)
     with pytest.raises(BlockspecError, match=r"prompt_lookup_block_size=1 must be an integer in \[2, 64\]"):
         LLM(model_path=target, prompt_lookup_block_size=1)
-    outs = llm.generate(["abc", "hello"], [SamplingParams(max_tokens=5), SamplingParams(max_tokens=7, temperature=0.9, seed=3)])
+    outs = llm.generate(["abc", "hello"], [SamplingParams(max_tokens=5),
+                                           SamplingParams(max_tokens=7, temperature=0.9, seed=3)])
     assert [len(o.token_ids) <= n for o, n in zip(outs, (5, 7))] == [True, True]
     plain = llm.generate(["abc", "hello"], SamplingParams(max_tokens=12), speculative_algorithm="NONE")
     spec = llm.generate(["abc", "hello"], SamplingParams(max_tokens=12))

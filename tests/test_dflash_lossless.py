@@ -196,7 +196,8 @@ def worst_deviation(folder, params, lookup_ngram: int = 0) -> float:
     first = exact_next(target, [prompt], sp)[0]
     t1_support = [t for t in range(16) if first[t] > 0]
     second = exact_next(target, [prompt + [t] for t in t1_support], sp)
-    joint = {(t1, t2): float(first[t1] * second[i, t2]) for i, t1 in enumerate(t1_support) for t2 in range(16)}
+    joint = {(t1, t2): float(first[t1] * second[i, t2])
+             for i, t1 in enumerate(t1_support) for t2 in range(16)}
     worst = max_z(Counter(o[:2] for o in outputs), joint, n)
     top_prefixes = sorted(joint, key=joint.get, reverse=True)[:3]
     third = exact_next(target, [prompt + list(pre) for pre in top_prefixes], sp)
@@ -208,7 +209,8 @@ def worst_deviation(folder, params, lookup_ngram: int = 0) -> float:
 
 
 @pytest.mark.parametrize(
-    "params", [dict(temperature=1.0), dict(temperature=0.8, top_k=5), dict(temperature=1.2, top_k=10, top_p=0.7)]
+    "params", [dict(temperature=1.0), dict(temperature=0.8, top_k=5),
+               dict(temperature=1.2, top_k=10, top_p=0.7)]
 )
 def test_sampled_dflash_has_target_distribution(tmp_path, params):
     """Every cell within 5 standard deviations; a 2% absolute bias on a 10% cell is ~6 sd here."""
@@ -262,8 +264,9 @@ def test_prompt_lookup_steps_skip_the_draft(models):
 
 
 def test_a_batch_mixes_lookup_rows_and_drafted_rows_in_one_step(models):
-    """When only some rows have a context match, one verify pass at the lookup width checks those rows' copies
-    and the others' draft blocks (judged on their B-1 drafted tokens only); output still equals plain."""
+    """When only some rows have a context match, one verify pass at the lookup width checks those rows'
+    copies and the others' draft blocks (judged on their B-1 drafted tokens only); output still equals
+    plain."""
     engine = models[2]
     engine.speculation.lookup_ngram, engine.speculation.lookup_width = 2, 5
     engine.set_block_size(2)
@@ -271,7 +274,8 @@ def test_a_batch_mixes_lookup_rows_and_drafted_rows_in_one_step(models):
     kinds, run = [], decoder.run
     decoder.run = lambda seqs, plan: kinds.append(plan.kind) or run(seqs, plan)
     try:
-        prompts = [[5, 6, 7, 8] * 6, [3, 41, 17, 88, 2, 60, 29]]  # a repeating context and one without repeats
+        # a repeating context and one without repeats
+        prompts = [[5, 6, 7, 8] * 6, [3, 41, 17, 88, 2, 60, 29]]
         params = SamplingParams(max_tokens=40)
         plain = generate(engine, prompts, params, [], use_draft=False)
         spec = generate(engine, prompts, params, [], use_draft=True)

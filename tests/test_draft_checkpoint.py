@@ -24,9 +24,11 @@ def target_dir(tmp_path_factory):
 
 def draft_outputs(target, draft, mask_id=5):
     engine = TinyEngine(target, draft, 4, num_slots=1, max_len=64)
-    seq = engine.run([Sequence([3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=12), frozenset())], use_draft=True)[0]
+    seq = engine.run([Sequence([3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=12), frozenset())],
+                     use_draft=True)[0]
     block = torch.tensor([[seq.pending_token, mask_id, mask_id, mask_id]])
-    hidden = draft(ForwardBatch.in_cache(engine.runner.draft_cache, [0], [seq.num_cached], block, among_new="all"))
+    hidden = draft(ForwardBatch.in_cache(engine.runner.draft_cache, [0], [seq.num_cached], block,
+                                         among_new="all"))
     return seq.output_ids, seq.stats.accept_lengths, hidden
 
 
@@ -38,7 +40,8 @@ def test_save_load_round_trip_is_identical(target_dir, tmp_path):
     second = load_draft(tmp_path / "b", cfg, torch.float32, CPU)
     a, b = draft_outputs(target, first), draft_outputs(target, second)
     assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
-    assert json.loads((tmp_path / "a" / "config.json").read_text()) == json.loads((tmp_path / "b" / "config.json").read_text())
+    assert (json.loads((tmp_path / "a" / "config.json").read_text())
+            == json.loads((tmp_path / "b" / "config.json").read_text()))
 
 
 def reference_checkpoint(folder, cfg, with_embed: bool = False, vocab: int = 120):
@@ -48,8 +51,10 @@ def reference_checkpoint(folder, cfg, with_embed: bool = False, vocab: int = 120
     config = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": h,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d,
-        "intermediate_size": inter, "rms_norm_eps": 1e-6, "rope_theta": 1000000, "max_position_embeddings": 40960,
-        "layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8, "use_sliding_window": False,
+        "intermediate_size": inter, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+        "max_position_embeddings": 40960,
+        "layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8,
+        "use_sliding_window": False,
         "num_target_layers": cfg.num_hidden_layers, "block_size": 8, "tie_word_embeddings": False,
         "dflash_config": {"mask_token_id": 96, "target_layer_ids": [0, 1, 3]},
     }
@@ -82,8 +87,10 @@ def test_reference_named_checkpoint_loads_and_runs_losslessly(target_dir, tmp_pa
     assert draft.layers[1].self_attn.attn.window == 8 and draft.layers[0].self_attn.attn.window is None
     engine = TinyEngine(target, draft, 8, num_slots=2, max_len=128)
     prompts = [list(range(1, 30)), [5, 6]]
-    plain = engine.run([Sequence(p, SamplingParams(max_tokens=40), frozenset()) for p in prompts], use_draft=False)
-    spec = engine.run([Sequence(p, SamplingParams(max_tokens=40), frozenset()) for p in prompts], use_draft=True)
+    plain = engine.run([Sequence(p, SamplingParams(max_tokens=40), frozenset()) for p in prompts],
+                       use_draft=False)
+    spec = engine.run([Sequence(p, SamplingParams(max_tokens=40), frozenset()) for p in prompts],
+                      use_draft=True)
     assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
 
 
@@ -125,8 +132,10 @@ def test_draft_vocab_round_trips_and_bad_ones_are_refused(target_dir, tmp_path):
     save_draft(draft, tmp_path / "b")
     assert torch.equal(load_draft(tmp_path / "b", cfg, torch.float32, CPU).vocab, draft.vocab)
     tensors = load_file(str(tmp_path / "b" / "model.safetensors"))
-    for bad, message in [(torch.tensor([3, 97]), "id 97 is outside \\[0, 97\\)"), (torch.tensor([4, 4]), "repeats"),
-                         (torch.tensor([1.0, 2.0]), "integer token ids"), (torch.zeros(2, 2, dtype=torch.long), "1-D")]:
+    for bad, message in [(torch.tensor([3, 97]), "id 97 is outside \\[0, 97\\)"),
+                         (torch.tensor([4, 4]), "repeats"),
+                         (torch.tensor([1.0, 2.0]), "integer token ids"),
+                         (torch.zeros(2, 2, dtype=torch.long), "1-D")]:
         save_file({**tensors, "draft_vocab": bad}, str(tmp_path / "b" / "model.safetensors"))
         with pytest.raises(DraftConfigError, match=message):
             load_draft(tmp_path / "b", cfg, torch.float32, CPU)

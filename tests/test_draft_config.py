@@ -168,7 +168,8 @@ def test_dflash_config_wins_over_top_level() -> None:
     ("head_dim", "64"), ("intermediate_size", [1536]), ("max_position_embeddings", 1.5e4),
     ("num_target_layers", "30"), ("block_size", 8.0), ("vocab_size", True)])
 def test_integer_fields_reject_junk(field: str, value: object) -> None:
-    fails(smol_draft(**{field: value}), rf"invalid {field}={re.escape(repr(value))} \(a {type(value).__name__}\)")
+    fails(smol_draft(**{field: value}),
+          rf"invalid {field}={re.escape(repr(value))} \(a {type(value).__name__}\)")
 
 
 @pytest.mark.parametrize("field", ["num_hidden_layers", "num_target_layers", "num_attention_heads",
@@ -180,12 +181,14 @@ def test_counts_must_be_positive(field: str) -> None:
 
 def test_hidden_size_must_be_positive_and_match_target() -> None:
     fails(smol_draft(hidden_size=0), "hidden_size=0 must be positive")
-    msg = fails(smol_draft(hidden_size=4096), r"draft hidden_size=4096 differs from the target's hidden_size=576")
+    msg = fails(smol_draft(hidden_size=4096),
+                r"draft hidden_size=4096 differs from the target's hidden_size=576")
     assert "Use the draft made for this target" in msg
 
 
 def test_heads_and_head_dim() -> None:
-    fails(smol_draft(num_key_value_heads=4), r"num_attention_heads=9 is not a multiple of num_key_value_heads=4")
+    fails(smol_draft(num_key_value_heads=4),
+          r"num_attention_heads=9 is not a multiple of num_key_value_heads=4")
     raw = smol_draft(num_attention_heads=7, num_key_value_heads=7)
     del raw["head_dim"]
     fails(raw, r"hidden_size=576 is not divisible by num_attention_heads=7; set head_dim")
@@ -196,7 +199,8 @@ def test_hidden_act_must_be_silu() -> None:
 
 
 @pytest.mark.parametrize("field,value", [("rms_norm_eps", 0), ("rms_norm_eps", "1e-6"), ("rope_theta", -1.0),
-                                         ("rope_theta", True), ("rope_theta", float("inf")), ("rope_theta", 10**400)])
+                                         ("rope_theta", True), ("rope_theta", float("inf")),
+                                         ("rope_theta", 10**400)])
 def test_float_fields(field: str, value: object) -> None:
     fails(smol_draft(**{field: value}), rf"invalid {field}=.*finite number > 0")
 
@@ -205,7 +209,8 @@ def test_structure_errors() -> None:
     with pytest.raises(DraftConfigError, match="expected a JSON object, got list"):
         resolve([1, 2])  # type: ignore[arg-type]
     fails(smol_draft(dflash_config=[1]), r"dflash_config=\[1\] must be an object")
-    fails(smol_draft(architectures=["Qwen3ForCausalLM"]), r"architectures=\['Qwen3ForCausalLM'\] is not a DFlash")
+    fails(smol_draft(architectures=["Qwen3ForCausalLM"]),
+          r"architectures=\['Qwen3ForCausalLM'\] is not a DFlash")
     fails(smol_draft(rope_scaling={"rope_type": "yarn"}), r"rope_scaling=.*yarn.* is not supported")
     fails(smol_draft(conv_kernel_size=4), r"conv_kernel_size=4 selects a feature")
     fails(smol_draft(attention_bias=True), r"attention_bias=True selects a feature")
@@ -221,7 +226,8 @@ def test_layer_types() -> None:
     fails(smol_draft(layer_types=["full_attention", "linear_attention"]),
           r"unsupported layer_types\[1\]='linear_attention'")
     fails(smol_draft(layer_types=["sliding_attention", "full_attention"]), r"sliding_window is not set")
-    fails(smol_draft(layer_types=["sliding_attention"] * 2, sliding_window=0), r"sliding_window=0 must be positive")
+    fails(smol_draft(layer_types=["sliding_attention"] * 2, sliding_window=0),
+          r"sliding_window=0 must be positive")
     cfg = resolve(smol_draft(layer_types=["sliding_attention", "full_attention"], sliding_window=128))
     assert cfg.layer_types == ("sliding_attention", "full_attention") and cfg.sliding_window == 128
 
@@ -235,7 +241,8 @@ def test_target_layer_ids_validation() -> None:
 
     fails(ids([]), r"dflash_config.target_layer_ids=\[\] must be a non-empty list")
     fails(ids("1,2"), r"'1,2' must be a non-empty list")
-    fails(ids([1, 30]), r"dflash_config.target_layer_ids\[1\]=30 .*\[0, 30\) \(the target has num_hidden_layers=30\)")
+    fails(ids([1, 30]),
+          r"dflash_config.target_layer_ids\[1\]=30 .*\[0, 30\) \(the target has num_hidden_layers=30\)")
     fails(ids([-1]), r"target_layer_ids\[0\]=-1 ")
     fails(ids([1, True]), r"target_layer_ids\[1\]=True ")
     fails(ids([1, 2.0]), r"target_layer_ids\[1\]=2.0 ")
@@ -346,8 +353,8 @@ def test_mask_token_id_conflicts_with_tokenizer() -> None:
     msg = fails(raw, r"dflash_config.mask_token_id=41 conflicts .*mask_token='<\|MASK\|>' to id 40",
                 token_to_id=vocab({"<|MASK|>": 40}))
     assert msg.startswith("DFLASH config mismatch")
-    fails(smol_draft(), r"--mask-token-id=9 conflicts .*'<pad>' to id 2", cli_mask_token_id=9, cli_mask_token="<pad>",
-          token_to_id=vocab({"<pad>": 2}))
+    fails(smol_draft(), r"--mask-token-id=9 conflicts .*'<pad>' to id 2", cli_mask_token_id=9,
+          cli_mask_token="<pad>", token_to_id=vocab({"<pad>": 2}))
 
 
 def test_unresolvable_mask_token_refuses_vocab_expansion() -> None:
@@ -364,18 +371,21 @@ def test_mask_token_id_bounded_by_target_vocab() -> None:
                 r"mask_token_id=49152 is outside the target embedding \(target vocab_size=49152\)")
     assert "< 49152" in msg
     fails(smol_draft(), r"--mask-token-id=60000 is outside the target embedding", cli_mask_token_id=60000)
-    fails(smol_draft(dflash_config={"mask_token": "<m>"}), r"mask_token_id=50000 \(mask_token='<m>', from the tokenizer\) is outside",
+    fails(smol_draft(dflash_config={"mask_token": "<m>"}),
+          r"mask_token_id=50000 \(mask_token='<m>', from the tokenizer\) is outside",
           token_to_id=vocab({"<m>": 50000}))
     assert resolve(smol_draft(dflash_config={"mask_token_id": 49151})).mask_token_id == 49151
 
 
 def test_mask_token_id_bounded_by_draft_embedding_when_it_embeds() -> None:
     raw = smol_draft(has_embed_tokens=True, dflash_config={"mask_token_id": 49152})
-    assert resolve(raw).mask_token_id == 49152  # beyond the target vocab is fine: the draft's embedding is used
+    # beyond the target vocab is fine: the draft's embedding is used
+    assert resolve(raw).mask_token_id == 49152
     raw["vocab_size"] = 49153
     assert resolve(raw).mask_token_id == 49152
     raw["vocab_size"] = 49152
-    fails(raw, r"mask_token_id=49152 is outside the draft's own embedding \(embed_tokens.weight, vocab_size=49152\)")
+    fails(raw, r"mask_token_id=49152 is outside the draft's own embedding "
+               r"\(embed_tokens.weight, vocab_size=49152\)")
     raw = smol_draft(dflash_config={"mask_token_id": 60000, "has_embed_tokens": True})
     assert resolve(raw).has_embed_tokens is True
 
@@ -400,12 +410,14 @@ def test_check_tensors_accepts_a_complete_checkpoint() -> None:
 
 def test_check_tensors_missing_and_shape() -> None:
     cfg = resolve(smol_draft())
-    with pytest.raises(DraftConfigError, match=r"missing 1 required tensor\(s\): layers.1.mlp.up_proj.weight\."):
+    with pytest.raises(DraftConfigError,
+                       match=r"missing 1 required tensor\(s\): layers.1.mlp.up_proj.weight\."):
         check_draft_tensors(cfg, header(cfg, **{"layers.1.mlp.up_proj.weight": None}), "d")
     prefixed = {f"model.{k}": v for k, v in header(cfg).items()}
     with pytest.raises(DraftConfigError, match=r"missing 25 .*\(and 20 more\).*'model.' prefix"):
         check_draft_tensors(cfg, prefixed, "d")
-    with pytest.raises(DraftConfigError, match=r"layers.0.self_attn.k_proj.weight is \(576, 576\), expected \(192, 576\)"):
+    with pytest.raises(DraftConfigError,
+                       match=r"layers.0.self_attn.k_proj.weight is \(576, 576\), expected \(192, 576\)"):
         check_draft_tensors(cfg, header(cfg, **{"layers.0.self_attn.k_proj.weight": [576, 576]}), "d")
 
 
@@ -428,14 +440,15 @@ def test_check_tensors_embedding() -> None:
                                                r"\(embed_tokens.weight, vocab_size=49152\)"):
         check_draft_tensors(cfg, header(cfg, **{"embed_tokens.weight": [49152, 576]}), "d")
     cfg = resolve(smol_draft(has_embed_tokens=True, vocab_size=49200))
-    with pytest.raises(DraftConfigError, match=r"embed_tokens.weight is \(49152, 576\), expected \(49200, 576\)"):
+    with pytest.raises(DraftConfigError,
+                       match=r"embed_tokens.weight is \(49152, 576\), expected \(49200, 576\)"):
         check_draft_tensors(cfg, header(cfg, **{"embed_tokens.weight": [49152, 576]}), "d")
 
 
 def test_check_tensors_warns_on_extras() -> None:
     cfg, warns = resolve(smol_draft()), Warnings()
-    check_draft_tensors(cfg, header(cfg, **{"embed_tokens.weight": [49152, 576], "lm_head.weight": [1, 1]}), "d",
-                        warn=warns)
+    check_draft_tensors(cfg, header(cfg, **{"embed_tokens.weight": [49152, 576],
+                                            "lm_head.weight": [1, 1]}), "d", warn=warns)
     assert len(warns) == 1 and "2 unexpected" in warns[0] and "has_embed_tokens" in warns[0]
 
 
@@ -448,10 +461,12 @@ def test_resolve_device(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device(None) == torch.device("cpu") == resolve_device("auto")
     for name in ["cuda", "cuda:1"]:
-        with pytest.raises(BlockspecError, match=rf"--device '{name}': no CUDA device is visible.*--device cpu"):
+        with pytest.raises(BlockspecError,
+                           match=rf"--device '{name}': no CUDA device is visible.*--device cpu"):
             resolve_device(name)
     for name in ["npu", "mps", "tpu", "gpu", "cuda:x", "", 3]:
-        with pytest.raises(BlockspecError, match=r"Unsupported --device .*'cpu', 'cuda', 'cuda:N' or 'auto'"):
+        with pytest.raises(BlockspecError,
+                           match=r"Unsupported --device .*'cpu', 'cuda', 'cuda:N' or 'auto'"):
             resolve_device(name)  # type: ignore[arg-type]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -491,8 +506,8 @@ def test_junk_never_raises_anything_but_draft_config_error(junk: dict, cli_block
 @settings(max_examples=200, deadline=None)
 @given(st.dictionaries(st.sampled_from(["mask_token_id", "target_layer_ids", "mask_token", "block_size",
                                         "num_target_layers", "has_embed_tokens"]), JUNK, max_size=3),
-       st.sampled_from(["hidden_act", "architectures", "layer_types", "rope_scaling", "attention_bias"]), JUNK,
-       st.one_of(st.none(), JUNK))
+       st.sampled_from(["hidden_act", "architectures", "layer_types", "rope_scaling", "attention_bias"]),
+       JUNK, st.one_of(st.none(), JUNK))
 def test_junk_in_dflash_config(dflash: dict, top: str, top_value: Any, cli_token: Any) -> None:
     raw = smol_draft(**{top: top_value})
     raw["dflash_config"].update(dflash)

@@ -33,7 +33,8 @@ def test_the_stand_in_enforces_cudas_device_rules():
         x = torch.arange(4.0).to(FAKE_GPU)
         assert isinstance(x, FakeGpuTensor) and x.device == FAKE_GPU
         assert (x + torch.tensor(1.0)).tolist() == [1.0, 2.0, 3.0, 4.0]  # 0-dim CPU scalars are fine
-        assert x[torch.tensor([0, 2])].tolist() == [0.0, 2.0] and x[[1, 3]].tolist() == [1.0, 3.0]  # CPU indices too
+        # CPU indices too
+        assert x[torch.tensor([0, 2])].tolist() == [0.0, 2.0] and x[[1, 3]].tolist() == [1.0, 3.0]
         assert torch.zeros(2, device=FAKE_GPU).device == FAKE_GPU and x.cpu().device == CPU
         with pytest.raises(RuntimeError, match="same device"):
             x + torch.ones(4)
@@ -56,9 +57,10 @@ def test_engine_on_the_device_equals_the_cpu(tiny, block_size):
     plain = [o.token_ids for o in LLM(model_path=str(tiny / "target"), speculative_algorithm="NONE",
                                        device="cpu").generate(PROMPTS, greedy)]
     with fake_gpu():
-        gpu = LLM(model_path=str(tiny / "target"), draft_model_path=str(tiny / "draft"), block_size=block_size,
-                  device=FAKE_GPU, adaptive_speculation=False)
-        assert isinstance(gpu.target.lm_head.weight, FakeGpuTensor) and isinstance(gpu.draft.fc.weight, FakeGpuTensor)
+        gpu = LLM(model_path=str(tiny / "target"), draft_model_path=str(tiny / "draft"),
+                  block_size=block_size, device=FAKE_GPU, adaptive_speculation=False)
+        assert (isinstance(gpu.target.lm_head.weight, FakeGpuTensor)
+                and isinstance(gpu.draft.fc.weight, FakeGpuTensor))
         assert [o.token_ids for o in gpu.generate(PROMPTS, greedy)] == plain
         on_gpu = [o.token_ids for o in gpu.generate(PROMPTS, sampled)]
     assert on_gpu == [o.token_ids for o in cpu.generate(PROMPTS, sampled)]
@@ -71,7 +73,8 @@ def test_train_draft_on_the_device(tmp_path, features):
     target = write_tiny_target(tmp_path / "target", vocab_size=101, max_position_embeddings=1024)
     write_char_tokenizer(target)
     write_motif_text(tmp_path / "text.jsonl", 40)
-    cfg = _cfg(tmp_path, tmp_path / "draft", target=str(target), data=f"responses:4,{tmp_path / 'text.jsonl'}",
+    cfg = _cfg(tmp_path, tmp_path / "draft", target=str(target),
+               data=f"responses:4,{tmp_path / 'text.jsonl'}",
                mask_token_id=None, seq_len=1024, response_tokens=12, gen_batch_size=3, steps=3, eval_every=3,
                features=features, distill=0.5, train_vocab=50, train_dtype="float32")
     seen = []

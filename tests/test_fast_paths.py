@@ -84,8 +84,8 @@ def test_linear_layouts_match_and_fall_back(layout):
 
 
 def test_lm_head_layouts_never_copy_the_head():
-    """A tied LM head (the row-major embedding) takes every layout as itself; a head of its own (column-major)
-    keeps the stored layout rather than copy 100 MB."""
+    """A tied LM head (the row-major embedding) takes every layout as itself; a head of its own
+    (column-major) keeps the stored layout rather than copy 100 MB."""
     from blockspec.layers.embedding import Embedding, LMHead
 
     embedding = Embedding(32, 16)
@@ -100,8 +100,8 @@ def test_lm_head_layouts_never_copy_the_head():
 
 
 def test_tuned_plan_is_measured_once_per_machine(tmp_path, monkeypatch):
-    """tune_layouts times each candidate with run(rows), keeps the fastest, saves it under $BLOCKSPEC_HOME and
-    reuses it (in this process and the next) without timing again; a corrupt file is measured again."""
+    """tune_layouts times each candidate with run(rows), keeps the fastest, saves it under $BLOCKSPEC_HOME
+    and reuses it (in this process and the next) without timing again; a corrupt file is measured again."""
     from blockspec.layers import layout_tuning
     from blockspec.layers.linear import Linear
 
@@ -127,7 +127,8 @@ def test_tuned_plan_is_measured_once_per_machine(tmp_path, monkeypatch):
     assert sum(map(len, current.values())) == calls  # not timed again
     saved = json.loads((tmp_path / layout_tuning.PLANS_FILE).read_text())
     (tmp_path / layout_tuning.PLANS_FILE).write_text(json.dumps({**saved, "v1|old cpu": {"2": "nt"}}))
-    assert "v1|old cpu" not in layout_tuning.read_plans(tmp_path / layout_tuning.PLANS_FILE)  # stale: dropped
+    # stale: dropped
+    assert "v1|old cpu" not in layout_tuning.read_plans(tmp_path / layout_tuning.PLANS_FILE)
     (tmp_path / layout_tuning.PLANS_FILE).write_text("{not json")
     layout_tuning._measured.clear()  # as in a new process
     assert layout_tuning.tune_layouts(layers, run, (2, 4)) == plan

@@ -39,10 +39,11 @@ def test_weights_bit_identical_to_transformers_gguf_load(smollm2_dir: Path) -> N
         if key in config and key != "rms_norm_eps":
             assert config[key] == value, key
     assert float(torch.tensor(config["rms_norm_eps"], dtype=torch.float32)) == ref["config"]["rms_norm_eps"]
-    expected = dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
-                    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, hidden_act="silu",
-                    max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5, torch_dtype="float32")
+    expected = dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                    intermediate_size=1536, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                    hidden_act="silu", max_position_embeddings=8192, rope_theta=100000.0,
+                    rms_norm_eps=1e-5, torch_dtype="float32")
     assert {k: config[k] for k in expected} == expected
 
 
@@ -52,7 +53,8 @@ def test_folder_loads_as_a_plain_hf_checkpoint(smollm2_dir: Path) -> None:
     from blockspec.models.config import ModelConfig
 
     cfg = ModelConfig.from_folder(smollm2_dir)
-    assert (cfg.family, cfg.vocab_size, cfg.num_hidden_layers, cfg.tie_word_embeddings) == ("llama", 49152, 30, True)
+    assert ((cfg.family, cfg.vocab_size, cfg.num_hidden_layers, cfg.tie_word_embeddings)
+            == ("llama", 49152, 30, True))
     model = LlamaForCausalLM.from_pretrained(smollm2_dir)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     gen = json.loads((smollm2_dir / "generation_config.json").read_text())
@@ -72,7 +74,8 @@ def test_fresh_conversion_matches_cache(smollm2_dir: Path, tmp_path: Path, monke
     elapsed = time.perf_counter() - start
     assert folder == tmp_path / dm.MODEL_DIRNAME and elapsed < 120
     assert "Converting" in capsys.readouterr().err  # the tqdm bar
-    names = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"]
+    names = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "model.safetensors"]
     match, mismatch, errors = filecmp.cmpfiles(folder, smollm2_dir, names, shallow=False)
     assert (mismatch, errors) == ([], [])
     assert not list(tmp_path.glob(".*partial*"))

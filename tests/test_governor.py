@@ -16,7 +16,8 @@ def seqs(n: int) -> list[Sequence]:
     return [Sequence([1, 2], SamplingParams(max_tokens=64), frozenset()) for _ in range(n)]
 
 
-def spec_step(gov: SpecGovernor, batch: list[Sequence], accepts: list[int], seconds: float, block_size: int = 4) -> None:
+def spec_step(gov: SpecGovernor, batch: list[Sequence], accepts: list[int], seconds: float,
+              block_size: int = 4) -> None:
     for seq, a in zip(batch, accepts):
         seq.stats.accept_lengths.append(a)
     gov.record(StepPlan.dflash(len(batch), block_size), batch, block_size, seconds)
@@ -67,7 +68,8 @@ def test_a_first_unlucky_block_moves_a_request_from_the_prior_not_to_its_sample(
     assert gov.speculate(newcomer, 4)  # ~2.8 tokens per 0.12 s still beats 1 per 0.10 s
 
 
-@pytest.mark.parametrize("kwargs", [dict(alpha=0.0), dict(alpha=1.5), dict(tau_alpha=0.0), dict(probe_spec_every=0)])
+@pytest.mark.parametrize("kwargs", [dict(alpha=0.0), dict(alpha=1.5), dict(tau_alpha=0.0),
+                                    dict(probe_spec_every=0)])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError, match="SpecGovernor"):
         SpecGovernor(**kwargs)
@@ -115,7 +117,8 @@ def test_backlogs_of_different_lengths_are_fed_and_capped(engine, monkeypatch):
     runner.admit(ref)
     runner.prefill([ref], [ref.prompt_ids], capture=True)
     n = len(ref.prompt_ids)
-    torch.testing.assert_close(runner.draft_cache.k[:, a.slot, :, :n], runner.draft_cache.k[:, ref.slot, :, :n])
+    torch.testing.assert_close(runner.draft_cache.k[:, a.slot, :, :n],
+                               runner.draft_cache.k[:, ref.slot, :, :n])
     decoder.run([b], plain(1, capture=True))
     runner.release(b)  # finished or preempted: the backlog goes with the slot
     assert b.unfed_features == []

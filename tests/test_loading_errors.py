@@ -86,7 +86,8 @@ def test_cli_prints_error_and_exits_2(args, message):
     if "cuda" in args and torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
     proc = subprocess.run(
-        [sys.executable, "-m", "blockspec", "generate", "hi", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "blockspec", "generate", "hi", *args], capture_output=True, text=True,
+        timeout=120
     )
     assert proc.returncode == 2
     assert message in proc.stderr

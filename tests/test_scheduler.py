@@ -120,7 +120,8 @@ def test_tiny_budget_preempts_and_stays_lossless(engine, use_draft):
 
 
 def test_long_prompt_is_prefilled_in_chunks_alongside_decode(engine):
-    requests = [([4, 4], SamplingParams(max_tokens=30), []), (list(range(96, 0, -1)), SamplingParams(max_tokens=20), [])]
+    requests = [([4, 4], SamplingParams(max_tokens=30), []),
+                (list(range(96, 0, -1)), SamplingParams(max_tokens=20), [])]
     want = alone(engine, True, requests)
     scheduler = engine.scheduler(True, prefill_tokens_per_step=10)
     got = fresh(requests)
@@ -174,12 +175,13 @@ def test_on_step_streams_every_token_once(engine):
 
 
 prompt_st = st.lists(st.integers(0, 96), min_size=1, max_size=40)
-request_st = st.tuples(prompt_st, st.integers(1, 40), st.booleans(), st.lists(st.integers(0, 96), max_size=2))
+request_st = st.tuples(prompt_st, st.integers(1, 40), st.booleans(),
+                       st.lists(st.integers(0, 96), max_size=2))
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(requests=st.lists(request_st, min_size=2, max_size=6), slack=st.integers(0, 60), chunk=st.integers(4, 64),
-       use_draft=st.booleans())
+@given(requests=st.lists(request_st, min_size=2, max_size=6), slack=st.integers(0, 60),
+       chunk=st.integers(4, 64), use_draft=st.booleans())
 def test_random_workloads_match_alone(engine, requests, slack, chunk, use_draft):
     reqs = [(p, SamplingParams(max_tokens=m, temperature=0.9 if sampled else 0.0, seed=i), stops)
             for i, (p, m, sampled, stops) in enumerate(requests)]

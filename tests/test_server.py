@@ -44,8 +44,8 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 def make_llm(folders, **settings) -> LLM:
     # adaptive speculation off: which steps speculate would depend on timing, and the tests compare the
     # server's accept lengths with the engine's own (the text is the same either way)
-    return LLM(model_path=str(folders["target"]), draft_model_path=str(folders["draft"]), device="cpu", max_num_seqs=8,
-               adaptive_speculation=False, **settings)
+    return LLM(model_path=str(folders["target"]), draft_model_path=str(folders["draft"]), device="cpu",
+               max_num_seqs=8, adaptive_speculation=False, **settings)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,8 @@ def test_chat_and_completion_match_the_engine_alone(client, ref):
     assert chat.usage.prompt_tokens == want.num_prompt_tokens
     ext = chat.blockspec
     assert ext["speculative_algorithm"] == "DFLASH" and ext["block_size"] == 4
-    assert ext["accept_lengths"] == want.accept_lengths and ext["num_verify_steps"] == len(want.accept_lengths)
+    assert (ext["accept_lengths"] == want.accept_lengths
+            and ext["num_verify_steps"] == len(want.accept_lengths))
     assert ext["num_plain_steps"] == 0
 
     comp = client.completions.create(model="target", prompt="Once upon a time", max_tokens=12, temperature=0)
@@ -119,8 +120,9 @@ def test_chat_and_completion_match_the_engine_alone(client, ref):
 
 def test_streaming_chunks_usage_and_extension(client, ref):
     messages = [{"role": "user", "content": "Stream please"}]
-    chunks = list(client.chat.completions.create(model="target", messages=messages, max_tokens=25, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(client.chat.completions.create(model="target", messages=messages, max_tokens=25,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
     want = ref.chat(messages, SamplingParams(max_tokens=25))[0]
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -130,7 +132,8 @@ def test_streaming_chunks_usage_and_extension(client, ref):
     assert last.blockspec["accept_lengths"] == want.accept_lengths
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
 
-    parts = list(client.completions.create(model="target", prompt="abc", max_tokens=9, temperature=0, stream=True))
+    parts = list(client.completions.create(model="target", prompt="abc", max_tokens=9, temperature=0,
+                                           stream=True))
     assert all(p.object == "text_completion" for p in parts)
     want = ref.generate("abc", SamplingParams(max_tokens=9))[0]
     assert "".join(p.choices[0].text for p in parts) == want.text
@@ -177,7 +180,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("completions", {"prompt": "hi", "model": "gpt-4"}, "model"),
     ("completions", {"prompt": "x" * 600}, "prompt"),
-    ("completions", {"prompt": "x" * 300, "max_tokens": 100}, "prompt"),  # fits the context, not the KV budget
+    # fits the context, not the KV budget
+    ("completions", {"prompt": "x" * 300, "max_tokens": 100}, "prompt"),
     ("completions", {"prompt": "hi", "n": 2}, "n"),
     ("completions", {"prompt": "hi", "stream": "yes"}, "stream"),
     ("completions", {"prompt": "hi", "stop": 5}, "stop"),
@@ -188,8 +192,8 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x" * 600}]}, "messages"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}},
-     "stream_options"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                          "stream_options": {"include_usage": True}}, "stream_options"),
 ]
 
 
@@ -227,26 +231,30 @@ def test_32_concurrent_streams_get_exactly_their_tokens(server, ref):
     want = []
     for i, (prompt, params) in enumerate(requests):
         sp = SamplingParams(**params)
-        want.append((ref.chat([{"role": "user", "content": prompt}], sp) if i % 2 else ref.generate(prompt, sp))[0].text)
+        want.append((ref.chat([{"role": "user", "content": prompt}], sp) if i % 2
+                     else ref.generate(prompt, sp))[0].text)
     preempted_before = counter(server, "blockspec_preemptions_total")
 
     def run(i: int) -> str:
         prompt, params = requests[i]
         c = openai.OpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
         if i % 2:
-            stream = c.chat.completions.create(model="target", messages=[{"role": "user", "content": prompt}],
+            stream = c.chat.completions.create(model="target",
+                                               messages=[{"role": "user", "content": prompt}],
                                                stream=True, **params)
             return "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
-        return "".join(ch.choices[0].text for ch in c.completions.create(model="target", prompt=prompt, stream=True,
-                                                                           **params))
+        return "".join(ch.choices[0].text for ch in c.completions.create(model="target", prompt=prompt,
+                                                                           stream=True, **params))
 
     with ThreadPoolExecutor(32) as pool:
         got = list(pool.map(run, range(32), timeout=300))
     assert got == want
-    assert counter(server, "blockspec_preemptions_total") > preempted_before  # the tiny budget forced preemption
+    # the tiny budget forced preemption
+    assert counter(server, "blockspec_preemptions_total") > preempted_before
     assert counter(server, "blockspec_plain_decode_steps_total") == 0  # adaptive speculation is off here
     # prompt lookup is on (the default): its steps are counted apart, each committing 1..W tokens
-    steps, tokens = counter(server, "blockspec_lookup_steps_total"), counter(server, "blockspec_lookup_tokens_total")
+    steps, tokens = (counter(server, "blockspec_lookup_steps_total"),
+                     counter(server, "blockspec_lookup_tokens_total"))
     assert steps <= tokens <= 4 * steps
     state = health(server)
     assert state["kv_tokens_used"] == 0 and state["kv_slots_free"] == state["kv_slots_total"]
@@ -301,10 +309,11 @@ def test_disconnect_storm_leaks_no_kv(server, monkeypatch):
 def test_metrics_exposition(server, client):
     client.completions.create(model="target", prompt="metrics", max_tokens=4, temperature=0)
     text = httpx.get(server["url"] + "/metrics").text
-    for name in ("blockspec_requests_total{", "blockspec_generation_tokens_total ", "blockspec_prompt_tokens_total ",
-                 'blockspec_accept_length_bucket{le="4"}', "blockspec_num_waiting_requests ",
-                 "blockspec_num_running_requests ", "blockspec_step_latency_seconds_bucket",
-                 "blockspec_kv_tokens_used ", "blockspec_preemptions_total "):
+    for name in ("blockspec_requests_total{", "blockspec_generation_tokens_total ",
+                 "blockspec_prompt_tokens_total ", 'blockspec_accept_length_bucket{le="4"}',
+                 "blockspec_num_waiting_requests ", "blockspec_num_running_requests ",
+                 "blockspec_step_latency_seconds_bucket", "blockspec_kv_tokens_used ",
+                 "blockspec_preemptions_total "):
         assert name in text, name
 
 
@@ -339,9 +348,10 @@ def test_serve_starts_on_the_embedded_default(smollm2_dir):
         assert proc.poll() is None, proc.stdout.read()
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
         model = c.models.list().data[0].id
-        out = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
-                                        temperature=0)
-        assert out.usage.completion_tokens >= 1 and out.blockspec["speculative_algorithm"] in ("DFLASH", "NONE")
+        out = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                        max_tokens=3, temperature=0)
+        assert (out.usage.completion_tokens >= 1
+                and out.blockspec["speculative_algorithm"] in ("DFLASH", "NONE"))
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -22,7 +22,10 @@ def run_ours(model, ids: torch.Tensor, capture=(), chunks=(None,)):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True}, {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}])
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True},
+                                       {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 64}}])
 def test_logits_and_hidden_match_transformers(tmp_path, family, overrides):
     from transformers import AutoModelForCausalLM
 

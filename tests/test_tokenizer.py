@@ -82,7 +82,8 @@ def test_chat_template_matches_transformers(tok: Tokenizer, hf_gguf_tok) -> None
     for messages in (convo, [{"role": "system", "content": "Be terse."}] + convo, convo[:1]):
         for gen in (True, False):
             ours = tok.apply_chat_template(messages, add_generation_prompt=gen)
-            assert ours == hf_gguf_tok.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False)
+            assert ours == hf_gguf_tok.apply_chat_template(messages, add_generation_prompt=gen,
+                                                           tokenize=False)
     text = tok.apply_chat_template(convo[:1])
     assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
@@ -144,7 +145,8 @@ RICH_TEMPLATE = """{%- if tools %}{{ bos_token }}TOOLS: {{ tools | tojson }}
 {% endif %}
 {%- set ns = namespace(n=0) %}
 {%- for m in messages %}
-    {%- if m.role not in ['user', 'assistant', 'system'] %}{{ raise_exception('bad role ' + m.role) }}{% endif %}
+    {%- if m.role not in ['user', 'assistant', 'system'] %}\
+{{ raise_exception('bad role ' + m.role) }}{% endif %}
     {%- if m.role == 'system' %}{% continue %}{% endif %}
     {%- set ns.n = ns.n + 1 %}
 <{{ m.role }}:{{ ns.n }}> {{ m.content | trim }}{{ eos_token if m.role == 'assistant' }}
@@ -157,8 +159,8 @@ RICH_TEMPLATE = """{%- if tools %}{{ bos_token }}TOOLS: {{ tools | tojson }}
 def test_rich_template_matches_transformers(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    config = {"bos_token": "<s>", "eos_token": {"__type": "AddedToken", "content": "</s>", "special": True}, "chat_template": RICH_TEMPLATE,
-              "tokenizer_class": "PreTrainedTokenizerFast"}
+    config = {"bos_token": "<s>", "eos_token": {"__type": "AddedToken", "content": "</s>", "special": True},
+              "chat_template": RICH_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}
     folder = _folder(tmp_path, config)
     ours, ref = Tokenizer.from_folder(folder), AutoTokenizer.from_pretrained(folder)
     messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": " hi \n"},
@@ -166,7 +168,8 @@ def test_rich_template_matches_transformers(tmp_path: Path) -> None:
     tools = [{"name": "f", "description": "ü", "parameters": {}}]
     for kwargs in ({}, {"tools": tools}, {"date": True}, {"add_generation_prompt": False}):
         rendered = ours.apply_chat_template(messages, **{"add_generation_prompt": True, **kwargs})
-        assert rendered == ref.apply_chat_template(messages, tokenize=False, **{"add_generation_prompt": True, **kwargs})
+        assert rendered == ref.apply_chat_template(messages, tokenize=False,
+                                                   **{"add_generation_prompt": True, **kwargs})
     with pytest.raises(RequestError, match="bad role tool"):
         ours.apply_chat_template([{"role": "tool", "content": "x"}])
     assert ours.eos_token_ids == frozenset({2}) and ours.bos_token_id == 1
@@ -174,7 +177,8 @@ def test_rich_template_matches_transformers(tmp_path: Path) -> None:
 
 def test_eos_ids_chatml_and_generation_config(tmp_path: Path) -> None:
     tok = Tokenizer.from_folder(_folder(tmp_path, {"eos_token": "</s>"}, {"eos_token_id": [0, 5]},
-                                        jinja="{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"))
+                                        jinja="{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>"
+                                              "{% endfor %}"))
     assert tok.chat_template is not None and tok.chat_template.startswith("{% for")  # .jinja file wins
     assert tok.eos_token_ids == frozenset({2, 3, 0, 5})
     assert tok.apply_chat_template([{"role": "user", "content": "hello"}]) == "<|im_start|>hello<|im_end|>"

@@ -23,9 +23,9 @@ from blockspec.train.config import TrainConfig
 from blockspec.train import data as D
 from blockspec.train.data import DataSpec, TrainSequence
 from blockspec.train.features import causal_batch, target_features, target_identity
-from blockspec.train.objective import (IGNORE, Blocks, TrainVocab, build_blocks, cosine_with_warmup, dflash_loss,
-                                       greedy_accept_lengths, loss_weights, sample_anchors, steps_in_budget,
-                                       training_mask)
+from blockspec.train.objective import (IGNORE, Blocks, TrainVocab, build_blocks, cosine_with_warmup,
+                                       dflash_loss, greedy_accept_lengths, loss_weights, sample_anchors,
+                                       steps_in_budget, training_mask)
 from blockspec.train.prompts import TOPICS, response_prompts
 from blockspec.train.trainer import train
 from tests.tiny import tiny_draft_raw, write_tiny_target
@@ -53,7 +53,8 @@ def test_loss_weights_follow_the_paper():
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.integers(0, 40), min_size=1, max_size=4), count=st.integers(1, 12), data=st.data())
+@given(lengths=st.lists(st.integers(0, 40), min_size=1, max_size=4), count=st.integers(1, 12),
+       data=st.data())
 def test_anchors_stay_in_bounds(lengths, count, data):
     starts = [data.draw(st.integers(0, max(0, n))) for n in lengths]
     anchors, valid = sample_anchors(lengths, starts, count, torch.Generator().manual_seed(0))
@@ -68,7 +69,8 @@ def test_anchors_stay_in_bounds(lengths, count, data):
 def test_blocks_labels_positions_and_ignore():
     ids = torch.arange(10, 20).view(1, -1)  # tokens 10..19 at positions 0..9
     labels = torch.arange(11, 21).view(1, -1)  # label[t] predicts position t + 1 and agrees with the text
-    blocks = build_blocks(ids, labels, [8], torch.tensor([[2, 6]]), torch.tensor([[True, True]]), 4, mask_token_id=7)
+    blocks = build_blocks(ids, labels, [8], torch.tensor([[2, 6]]), torch.tensor([[True, True]]), 4,
+                          mask_token_id=7)
     assert blocks.input_ids.tolist() == [[12, 7, 7, 7, 16, 7, 7, 7]]
     assert blocks.positions.tolist() == [[2, 3, 4, 5, 6, 7, 8, 9]]
     # slot k predicts position a + k: labels[a + k - 1]; positions past the sequence (length 8) are ignored
@@ -210,7 +212,8 @@ def test_init_from_a_draft_folder_continues_its_weights(tiny):
     for name, tensor in a.items():  # one step at lr 1e-9 leaves the loaded weights in place
         assert torch.allclose(tensor, b[name], atol=1e-6), name
     # another block size is a fine-tune of the same weights (a draft trained at B=16 may be tuned for B=4)
-    assert train(_cfg(tiny, tiny / "warm-c", steps=1, block_size=8, init=str(first), train_dtype="float32"))["step"] == 1
+    assert train(_cfg(tiny, tiny / "warm-c", steps=1, block_size=8, init=str(first),
+                      train_dtype="float32"))["step"] == 1
     # a deeper draft grows from it: the new layer starts as an identity residual block (same outputs)
     grown = tiny / "warm-e"
     train(_cfg(tiny, grown, steps=1, lr=1e-9, num_draft_layers=2, init=str(first), train_dtype="float32"))
@@ -242,9 +245,10 @@ def test_sources_are_cached_apart_and_share_the_token_cap(tiny):
     first = train(_cfg(tiny, tiny / "mix-a", steps=1, cache_dir=cache))
     a_tokens = first["extract_train"]["tokens"]
     both = train(_cfg(tiny, tiny / "mix-b", steps=1, cache_dir=cache, data=f"{tiny / 'data.jsonl'},{other}"))
-    assert both["extract_train"]["tokens"] == 40 * 128  # only the new source (64-token windows, short tails dropped)
-    capped = train(_cfg(tiny, tiny / "mix-c", steps=1, cache_dir=cache, data=f"{tiny / 'data.jsonl'},{other}",
-                        tokens=1000))
+    # only the new source (64-token windows, short tails dropped)
+    assert both["extract_train"]["tokens"] == 40 * 128
+    capped = train(_cfg(tiny, tiny / "mix-c", steps=1, cache_dir=cache,
+                        data=f"{tiny / 'data.jsonl'},{other}", tokens=1000))
     model_card = (tiny / "mix-c" / "MODEL_CARD.md").read_text()
     assert a_tokens > 1000 and "extract_train" not in capped
     assert re.search(r"(\d+) training sequences, (\d+) tokens", model_card)
@@ -269,7 +273,8 @@ def test_bf16_autocast_with_a_train_vocab_runs_and_learns(tiny):
 
 def test_cli_trains_and_reports_errors(tiny, capsys):
     out = tiny / "cli"
-    argv = ["train-draft", "--target", str(tiny / "target"), "--output", str(out), "--data", str(tiny / "data.jsonl"),
+    argv = ["train-draft", "--target", str(tiny / "target"), "--output", str(out),
+            "--data", str(tiny / "data.jsonl"),
             "--block-size", "4", "--target-layer-ids", "0,2", "--mask-token-id", "5", "--seq-len", "64",
             "--steps", "3", "--anchors-per-seq", "4", "--eval-seqs", "2", "--device", "cpu",
             "--cache-dir", str(tiny / "cache"), "--json"]
@@ -329,17 +334,20 @@ def test_on_policy_responses_are_generated_cached_and_trained_on(tmp_path):
     draft = load_draft(tmp_path / "draft", ModelConfig.from_folder(target), torch.float32, CPU,
                        token_to_id={"<mask>": 4}.get)
     assert draft.config.mask_token_id == 4 and draft.config.mask_token == "<mask>"  # picked automatically
-    again = train(_cfg(tmp_path, tmp_path / "draft2", target=str(target), data="responses:3", mask_token_id=None,
-                       seq_len=1024, response_tokens=12, gen_batch_size=3, steps=2, eval_every=2))
+    again = train(_cfg(tmp_path, tmp_path / "draft2", target=str(target), data="responses:3",
+                       mask_token_id=None, seq_len=1024, response_tokens=12, gen_batch_size=3, steps=2,
+                       eval_every=2))
     assert "extract_train" not in again  # responses and features come from the cache
-    more = train(_cfg(tmp_path, tmp_path / "draft3", target=str(target), data="responses:5", mask_token_id=None,
-                      seq_len=1024, response_tokens=12, gen_batch_size=3, steps=2, eval_every=2))
+    more = train(_cfg(tmp_path, tmp_path / "draft3", target=str(target), data="responses:5",
+                      mask_token_id=None, seq_len=1024, response_tokens=12, gen_batch_size=3, steps=2,
+                      eval_every=2))
     rows = [json.loads(line) for f in (tmp_path / "cache" / "responses").glob("*-train.jsonl")
             for line in f.read_text().splitlines()]
     new_tokens = sum(len(r["prompt_ids"]) + len(r["output_ids"]) for r in rows[3:])
     assert len(rows) == 5 and more["extract_train"]["tokens"] == new_tokens  # only the 2 new responses
-    online = train(_cfg(tmp_path, tmp_path / "draft4", target=str(target), data="responses:5", mask_token_id=None,
-                        seq_len=1024, response_tokens=12, gen_batch_size=3, steps=2, eval_every=2, features="online"))
+    online = train(_cfg(tmp_path, tmp_path / "draft4", target=str(target), data="responses:5",
+                        mask_token_id=None, seq_len=1024, response_tokens=12, gen_batch_size=3, steps=2,
+                        eval_every=2, features="online"))
     assert online["step"] == 2 and math.isfinite(online["heldout_tau"]) and "extract_train" not in online
 
 
@@ -380,7 +388,8 @@ def test_stdlib_source_excludes_tests_and_heldout_modules():
     assert len(train_files) > 500 and heldout
     for path in train_files:
         rel = path.relative_to(root).parts
-        assert not {"test", "tests", "idle_test", "site-packages"} & set(rel) and not rel[-1].startswith("test_")
+        assert (not {"test", "tests", "idle_test", "site-packages"} & set(rel)
+                and not rel[-1].startswith("test_"))
         assert rel[0].removesuffix(".py") not in ("json", "email")
     assert all(path.relative_to(root).parts[0] in ("json", "email") for path in heldout)
 
@@ -399,7 +408,8 @@ def test_response_prompts_are_varied_unique_and_split():
     held = response_prompts(40, True, 0, D.stdlib_files(True), [])
     assert len(train_prompts) == 200 == len(set(train_prompts)) and len(held) == 40
     assert any("```python" in p for p in train_prompts) and any("```" not in p for p in train_prompts)
-    held_topics = [t for i, t in enumerate(TOPICS) if i % 5 == 4 and len(t) > 8]  # long: no accidental substrings
+    # long: no accidental substrings
+    held_topics = [t for i, t in enumerate(TOPICS) if i % 5 == 4 and len(t) > 8]
     assert held_topics and not any(t in p for p in train_prompts for t in held_topics)
     assert response_prompts(200, False, 0, stdlib, []) == train_prompts  # seeded
 
@@ -409,15 +419,16 @@ def test_train_vocab_restricts_the_softmax_and_skips_rare_labels():
     head.load("lm_head.weight", torch.randn(10, 8))
     counts = torch.tensor([5, 0, 9, 1, 0, 7, 0, 0, 3, 2])
     vocab = TrainVocab(head, counts, 4)
-    assert vocab.size == 4 and vocab(torch.randn(3, 8)).shape == (3, 4) and abs(vocab.coverage - 24 / 27) < 1e-6
+    assert (vocab.size == 4 and vocab(torch.randn(3, 8)).shape == (3, 4)
+            and abs(vocab.coverage - 24 / 27) < 1e-6)
     assert vocab.labels(torch.tensor([2, 3, IGNORE, 8, 0])).tolist() == [1, IGNORE, IGNORE, 3, 0]
     # a vocabulary of every token gives exactly the full-softmax loss
     full = TrainVocab(head, counts + 1, 10)
     b, count, block = 2, 3, 4
     hidden = torch.randn(b, count * block, 8)
     labels = torch.randint(0, 10, (b, count, block - 1))
-    blocks = Blocks(input_ids=None, positions=None, labels=labels, context_visible=None, own_block=None, valid=None,
-                    complete=None)
+    blocks = Blocks(input_ids=None, positions=None, labels=labels, context_visible=None, own_block=None,
+                    valid=None, complete=None)
     w = loss_weights(block)
     a, _ = dflash_loss(hidden, head, blocks, w)
     c, _ = dflash_loss(hidden, head, blocks, w, full)
@@ -425,7 +436,8 @@ def test_train_vocab_restricts_the_softmax_and_skips_rare_labels():
     # the held-out tau ranks over the vocabulary, mapping back to token ids: same as the full head here,
     # and with a smaller vocabulary every proposal is one of its tokens
     blocks.complete = torch.ones(b, count, dtype=torch.bool)
-    assert torch.equal(greedy_accept_lengths(hidden, head, blocks), greedy_accept_lengths(hidden, head, blocks, full))
+    assert torch.equal(greedy_accept_lengths(hidden, head, blocks),
+                       greedy_accept_lengths(hidden, head, blocks, full))
     predicted_rows = hidden.view(b, count, block, 8)[:, :, 1:]
     blocks.labels = vocab.ids[vocab(predicted_rows).argmax(-1)]  # labels = the vocabulary's argmax tokens
     assert greedy_accept_lengths(hidden, head, blocks, vocab).tolist() == [float(block)] * (b * count)
@@ -450,7 +462,8 @@ def test_target_identity_follows_content_not_mtime(tmp_path) -> None:
 
 def test_distillation_teacher_is_the_targets_own_distribution(tiny):
     """The soft labels come from the cached features of the deepest tapped layer run through the target's
-    remaining layers: they must equal the target's own full forward at the positions the slots predict from."""
+    remaining layers: they must equal the target's own full forward at the positions the slots predict
+    from."""
     from blockspec.models.loader import load_target
     from blockspec.train.trainer import Trainer
 
@@ -479,8 +492,10 @@ def test_distillation_trains_and_is_validated(tiny):
     summary = train(_cfg(tiny, tiny / "kd", steps=30, lr=1e-2, distill=0.5, train_vocab=48))
     state = torch.load(tiny / "kd" / "checkpoint" / "state.pt", weights_only=False)
     losses = [r["loss"] for r in state["history"]]
-    assert summary["step"] == 30 and all(math.isfinite(x) for x in losses) and sum(losses[-5:]) < sum(losses[:5])
-    assert load_draft(tiny / "kd", ModelConfig.from_folder(tiny / "target"), torch.float32, CPU).vocab.numel() == 48
+    assert (summary["step"] == 30 and all(math.isfinite(x) for x in losses)
+            and sum(losses[-5:]) < sum(losses[:5]))
+    assert (load_draft(tiny / "kd", ModelConfig.from_folder(tiny / "target"), torch.float32, CPU)
+            .vocab.numel() == 48)
     for bad in (-0.1, 1.5, True):
         with pytest.raises(BlockspecError, match="--distill"):
             _cfg(tiny, tiny / "kd-bad", distill=bad)
@@ -499,11 +514,13 @@ def test_online_features_equal_the_extracted_ones(tiny):
         pair.append(trainer)
     disk, online = pair
     assert online.online and not disk.online and online.stats["features"] == "online"
-    assert (online.num_train, online.num_eval, online.train_tokens) == (disk.num_train, disk.num_eval, disk.train_tokens)
+    assert ((online.num_train, online.num_eval, online.train_tokens)
+            == (disk.num_train, disk.num_eval, disk.train_tokens))
     ids, labels, feats, lengths, starts = disk.batch("train", [3, 7, 11])
     o_ids, o_labels, o_feats, *_ = online.batch("train", [3, 7, 11])
     assert o_feats is None and torch.equal(ids, o_ids)
-    assert all(bool((o_labels[row, :n] == -1).all()) for row, n in enumerate(lengths))  # text: the target decides
+    # text: the target decides
+    assert all(bool((o_labels[row, :n] == -1).all()) for row, n in enumerate(lengths))
     got_feats, got_labels, final = online.target_pass(o_ids, o_labels)
     for row, n in enumerate(lengths):
         assert torch.equal(got_labels[row, :n], labels[row, :n])
@@ -513,15 +530,18 @@ def test_online_features_equal_the_extracted_ones(tiny):
     want = disk.teacher_hidden(feats.float(), blocks)
     got = online.teacher_hidden(got_feats, blocks, final)
     from_pos = blocks.positions.view(3, -1, 4)[:, :, :-1]
-    real = from_pos < torch.tensor(lengths).view(3, 1, 1)  # padding differs (zeros on disk, pad tokens online)
+    # padding differs (zeros on disk, pad tokens online)
+    real = from_pos < torch.tensor(lengths).view(3, 1, 1)
     assert bool(real.any()) and torch.allclose(got[real], want[real], atol=2e-2)
 
 
 def test_sequence_store_caps_and_labels():
     from blockspec.train.features import SequenceStore
 
-    seqs = [TrainSequence([5, 6, 7, 8], 2, True), TrainSequence([1, 2, 3], 1, False), TrainSequence([9, 9], 1, False)]
-    store = SequenceStore(iter(seqs), max_tokens=5, max_sequences=None)  # stops at the one that reaches 5 tokens
+    seqs = [TrainSequence([5, 6, 7, 8], 2, True), TrainSequence([1, 2, 3], 1, False),
+            TrainSequence([9, 9], 1, False)]
+    # stops at the one that reaches 5 tokens
+    store = SequenceStore(iter(seqs), max_tokens=5, max_sequences=None)
     assert store.num_sequences == 2 and store.tokens_of(2) == 7 and store.prefix(4, None) == 1
     ids, labels, feats, start = store.get(0)  # a response: its own next tokens, no target pass needed
     assert feats is None and start == 2 and labels[2:3].tolist() == [8] and bool((labels >= 0).all())
@@ -534,12 +554,14 @@ def test_online_training_learns_resumes_and_loads(tiny):
     losses = [r["loss"] for r in state["history"]]
     assert straight["step"] == 40 and "extract_train" not in straight
     assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 0.3
-    assert load_draft(tiny / "on-a", ModelConfig.from_folder(tiny / "target"), torch.float32, CPU).config.block_size == 4
+    assert (load_draft(tiny / "on-a", ModelConfig.from_folder(tiny / "target"), torch.float32, CPU)
+            .config.block_size == 4)
     assert "online" in (tiny / "on-a" / "MODEL_CARD.md").read_text()
     first = train(_cfg(tiny, tiny / "on-b", features="online", steps=40, lr=1e-2, train_dtype="float32",
                        stop_after_steps=25))
     assert first["step"] == 25
-    train(_cfg(tiny, tiny / "on-b", features="online", steps=40, lr=1e-2, train_dtype="float32", resume=True))
+    train(_cfg(tiny, tiny / "on-b", features="online", steps=40, lr=1e-2, train_dtype="float32",
+               resume=True))
     resumed = torch.load(tiny / "on-b" / "checkpoint" / "state.pt", weights_only=False)
     for name, tensor in state["draft"].items():
         assert torch.equal(tensor, resumed["draft"][name]), name
@@ -560,7 +582,8 @@ def test_time_budget_fits_the_schedule_and_caps_at_steps(tiny):
     calibration = next(r["step"] for r in state["history"] if "heldout_tau" in r)  # evaluated, then fitted
     assert 3 <= calibration <= 20 and summary["total_steps"] == state["total_steps"] > calibration
     assert summary["step"] <= summary["total_steps"]
-    assert summary["step"] == len(state["history"]) and all(math.isfinite(r["loss"]) for r in state["history"])
+    assert (summary["step"] == len(state["history"])
+            and all(math.isfinite(r["loss"]) for r in state["history"]))
     spent = train(_cfg(tiny, tiny / "budget-b", time_budget=1e-3, steps=500, train_dtype="float32"))
     assert spent["step"] == spent["total_steps"] == 3  # the budget is gone at the first calibration point
     capped = train(_cfg(tiny, tiny / "budget-c", time_budget=600.0, steps=30, train_dtype="float32"))

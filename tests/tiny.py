@@ -34,9 +34,11 @@ def write_tiny_target(folder: Path, family: str = "llama", seed: int = 0, **over
     return folder
 
 
-def tiny_draft_raw(target_cfg, num_layers: int = 2, block_size: int = 4, mask_token_id: int = 5, **overrides) -> dict:
+def tiny_draft_raw(target_cfg, num_layers: int = 2, block_size: int = 4, mask_token_id: int = 5,
+                   **overrides) -> dict:
     raw = {
-        "architectures": ["DFlashDraftModel"], "hidden_size": target_cfg.hidden_size, "num_hidden_layers": num_layers,
+        "architectures": ["DFlashDraftModel"], "hidden_size": target_cfg.hidden_size,
+        "num_hidden_layers": num_layers,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
         "num_target_layers": target_cfg.num_hidden_layers, "block_size": block_size,
@@ -63,16 +65,19 @@ def write_tiny_draft(folder: Path, target_cfg, seed: int = 0, scale: float = 0.2
 
 
 TINY_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 TINY_SPECIALS = ["<unk>", "<s>", "<|im_end|>", "<|im_start|>", "<|endoftext|>", "<mask>"]  # ids 0..5
-TINY_CHARS = " \n" + "abcdefghijklmnopqrstuvwxyz" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ" + "0123456789" + ".,!?;:'\"()[]{}-+=*/%&#@$<>_"
+TINY_CHARS = (" \n" + "abcdefghijklmnopqrstuvwxyz" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ" + "0123456789"
+              + ".,!?;:'\"()[]{}-+=*/%&#@$<>_")
 
 
 def write_tiny_tokenizer(folder: Path) -> Path:
-    """A 97-token character-level tokenizer (ids 0..5 special, 6..96 one character each; eos = <|im_end|> = 2,
-    the tiny target's eos; mask = 5, the tiny draft's) with a ChatML template. Decoding concatenates."""
+    """A 97-token character-level tokenizer (ids 0..5 special, 6..96 one character each;
+    eos = <|im_end|> = 2, the tiny target's eos; mask = 5, the tiny draft's) with a ChatML template.
+    Decoding concatenates."""
     import json
 
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -84,7 +89,8 @@ def write_tiny_tokenizer(folder: Path) -> Path:
     backend.decoder = decoders.Fuse()
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TINY_SPECIALS])
     backend.save(str(folder / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>", "chat_template": TINY_CHAT_TEMPLATE}
+    config = {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>",
+              "chat_template": TINY_CHAT_TEMPLATE}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 
@@ -101,7 +107,8 @@ class ScriptedGovernor:
         return self.script[(self.step - 1) % len(self.script)]
 
     def mix(self, seqs, copied, block_size, width) -> bool:
-        """The same script decides whether a batch where only some rows have a lookup match takes a mixed step."""
+        """The same script decides whether a batch where only some rows have a lookup match takes a mixed
+        step."""
         return self.speculate(seqs, block_size)
 
     def record(self, plan, seqs, block_size, seconds) -> None:
@@ -111,8 +118,8 @@ class ScriptedGovernor:
 class TinyEngine:
     """A runner over a target and a draft with a DFlash decoder and a plain one, as `LLM` wires them."""
 
-    def __init__(self, target, draft, block_size: int, num_slots: int, max_len: int, lookup: tuple[int, int] = (0, 0),
-                 governor=None) -> None:
+    def __init__(self, target, draft, block_size: int, num_slots: int, max_len: int,
+                 lookup: tuple[int, int] = (0, 0), governor=None) -> None:
         from blockspec.engine.runner import ModelRunner
         from blockspec.speculative.decoder import Decoder
         from blockspec.speculative.plan import Speculation

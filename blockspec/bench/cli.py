@@ -41,7 +41,8 @@ def _block_sizes(text: str) -> list[int]:
     try:
         sizes = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 2,4,8,16")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, "
+                                         f"e.g. 2,4,8,16")
     if not sizes or sizes[0] < 2:
         raise argparse.ArgumentTypeError(f"block sizes must be integers >= 2, got {text!r}")
     return sizes
@@ -57,14 +58,17 @@ def register(sub) -> None:
     p.add_argument("--multi-turn", action="store_true",
                    help="also run every later turn, conditioned on the method's own earlier answers")
     p.add_argument("--baseline", choices=["ar", "hf", "none"], default="ar",
-                   help="ar (default): our plain decoding on the same engine and weights. hf: ar AND transformers' "
-                        "own greedy generate() on the same checkpoint, hf being the baseline of 'speedup' "
-                        "(speedup_vs_ar is reported too). none: DFlash only (no speedup, no outputs_match)")
-    p.add_argument("--json", dest="json_path", default=None, metavar="OUT.json", help="write the JSON report here")
+                   help="ar (default): our plain decoding on the same engine and weights. "
+                        "hf: ar AND transformers' own greedy generate() on the same checkpoint, "
+                        "hf being the baseline of 'speedup' (speedup_vs_ar is reported too). "
+                        "none: DFlash only (no speedup, no outputs_match)")
+    p.add_argument("--json", dest="json_path", default=None, metavar="OUT.json",
+                   help="write the JSON report here")
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="acceptance-length histogram and per-prompt speedup (matplotlib)")
     p.add_argument("--sweep-block-sizes", type=_block_sizes, default=None, metavar="2,4,8,16",
-                   help="run DFlash at each block size (one table, one plot); the engine is built with the largest")
+                   help="run DFlash at each block size (one table, one plot); "
+                        "the engine is built with the largest")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_sampling_args(p)
     add_model_args(p)
@@ -72,7 +76,8 @@ def register(sub) -> None:
 
     from blockspec.bench.serving import run_bench_serving
 
-    p = sub.add_parser("bench-serving", help="output tokens/s at several concurrencies, DFlash vs plain decoding")
+    p = sub.add_parser("bench-serving",
+                       help="output tokens/s at several concurrencies, DFlash vs plain decoding")
     p.add_argument("--dataset", default="humaneval", help="humaneval, mt-bench or PATH.jsonl")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -86,7 +91,8 @@ def register(sub) -> None:
 
 def run_bench_command(args: argparse.Namespace) -> None:
     from blockspec.bench.datasets import load_dataset, select_subset
-    from blockspec.bench.report import build_report, command_line, machine_info, now_utc, print_table, write_plot
+    from blockspec.bench.report import (build_report, command_line, machine_info, now_utc, print_table,
+                                        write_plot)
     from blockspec.bench.runner import EngineMethod, HFMethod, run_bench
     from blockspec.llm import LLM
 
@@ -105,7 +111,8 @@ def run_bench_command(args: argparse.Namespace) -> None:
     notes = [subset_note] if subset_note else []
     if args.sweep_block_sizes:
         if args.block_size is not None and args.block_size not in args.sweep_block_sizes:
-            notes.append(f"--block-size {args.block_size} is ignored: --sweep-block-sizes decides the sizes.")
+            notes.append(f"--block-size {args.block_size} is ignored: "
+                         f"--sweep-block-sizes decides the sizes.")
         args.block_size = max(args.sweep_block_sizes)  # KV slabs and RoPE tables sized for the largest block
 
     llm = LLM(EngineConfig.from_args(args, max_num_seqs=1))
@@ -133,13 +140,16 @@ def run_bench_command(args: argparse.Namespace) -> None:
             dflash.append((name, size))
     checks = [(name, "ar") for name, _ in dflash] if args.baseline != "none" else []
 
-    samples = run_bench(llm, prompts, methods, params, args.multi_turn, checks, progress=not args.no_progress)
+    samples = run_bench(llm, prompts, methods, params, args.multi_turn, checks,
+                        progress=not args.no_progress)
 
     lookup = llm.speculation if llm.speculation and llm.speculation.lookup_ngram else None
     meta = {
         "dataset": dataset.name if args.dataset not in ("humaneval", "mt-bench") else args.dataset,
-        "dataset_path": None if args.dataset in ("humaneval", "mt-bench") else str(Path(args.dataset).resolve()),
-        "num_prompts": len(prompts), "prompt_indices": [p.index for p in prompts], "subset_seed": subset_seed,
+        "dataset_path": (None if args.dataset in ("humaneval", "mt-bench")
+                         else str(Path(args.dataset).resolve())),
+        "num_prompts": len(prompts), "prompt_indices": [p.index for p in prompts],
+        "subset_seed": subset_seed,
         "multi_turn": args.multi_turn, "max_new_tokens": args.max_new_tokens, "block_size": llm.block_size,
         "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
         "model_path": str(llm.model_path), "draft_model_path": llm.draft_model_path,
@@ -162,9 +172,10 @@ def run_bench_command(args: argparse.Namespace) -> None:
     if bad:
         first = bad[0]["mismatches"][0]
         print(f"error: DFlash greedy output differs from plain decoding (outputs_match "
-              f"{bad[0]['outputs_match']}, block size {bad[0]['block_size']}); first difference: prompt index "
-              f"{first['index']} turn {first['turn']} at output position {first['position']}: DFlash token "
-              f"{first['dflash_token']} vs plain token {first['ar_token']}. {_mismatch_meaning(llm.dtype)}",
+              f"{bad[0]['outputs_match']}, block size {bad[0]['block_size']}); first difference: "
+              f"prompt index {first['index']} turn {first['turn']} at output position {first['position']}: "
+              f"DFlash token {first['dflash_token']} vs plain token {first['ar_token']}. "
+              f"{_mismatch_meaning(llm.dtype)}",
               file=sys.stderr)
         sys.exit(1)
 
@@ -174,11 +185,12 @@ def _mismatch_meaning(dtype) -> str:
     if name == "float32":
         return "This is a losslessness bug."
     return (f"In {name} a verify pass (several rows) and a plain step (one row) round "
-            f"differently, which can flip a near-tie between two tokens; rerun with --dtype float32: a difference "
-            f"there is a losslessness bug.")
+            f"differently, which can flip a near-tie between two tokens; rerun with --dtype float32: "
+            f"a difference there is a losslessness bug.")
 
 
 def _check_writable(path: str, flag: str) -> None:
     parent = Path(path).expanduser().resolve().parent
     if not parent.is_dir():
-        raise BlockspecError(f"{flag} {path!r}: folder {str(parent)!r} does not exist; create it or pick another path.")
+        raise BlockspecError(f"{flag} {path!r}: folder {str(parent)!r} does not exist; "
+                             f"create it or pick another path.")

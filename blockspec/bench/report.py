@@ -13,8 +13,8 @@ Statistics (paired: a prompt turn counts only when every method produced >= 2 to
   draft on every step.
 - num_lookup_steps / lookup_mean_accept_length / lookup_accept_length_histogram: prompt-lookup steps
   (spec/lookup.py: a continuation copied from the context, verified like a draft block, no draft pass),
-  kept out of tau and the histogram so tau stays the draft's own; tokens_per_step = committed tokens over all steps of the run
-  (DFlash, prompt-lookup and plain).
+  kept out of tau and the histogram so tau stays the draft's own; tokens_per_step = committed tokens over
+  all steps of the run (DFlash, prompt-lookup and plain).
 - outputs_match (greedy only) = fraction of turns whose DFlash tokens equal our plain decoding's.
 """
 
@@ -78,7 +78,8 @@ def _paired(samples: list[Sample], names: list[str]) -> list[Sample]:
 def method_summary(samples: list[Sample], name: str) -> dict:
     tpots = [s.runs[name].tpot_s for s in samples]
     if not tpots:
-        return {"tokens_per_s": None, "tokens_per_s_median": None, "tpot_ms_mean": None, "tpot_ms_median": None}
+        return {"tokens_per_s": None, "tokens_per_s_median": None, "tpot_ms_mean": None,
+                "tpot_ms_median": None}
     mean, median = statistics.fmean(tpots), statistics.median(tpots)
     return {
         "tokens_per_s": round(1 / mean, 3), "tokens_per_s_median": round(1 / median, 3),
@@ -100,7 +101,8 @@ def speedups(samples: list[Sample], baseline: str, dflash: str) -> tuple[float |
 def accept_stats(samples: list[Sample], dflash: str, block_size: int) -> dict:
     stats = RequestStats.pooled(s.runs[dflash].stats for s in samples)
     steps, lookups, plain = stats.accept_lengths, stats.lookup_accept_lengths, stats.plain_steps
-    per_turn = [s.runs[dflash].stats.mean_accept_length for s in samples if s.runs[dflash].stats.accept_lengths]
+    per_turn = [s.runs[dflash].stats.mean_accept_length for s in samples
+                if s.runs[dflash].stats.accept_lengths]
     counts = [0] * block_size
     for a in steps:
         counts[min(max(a, 1), block_size) - 1] += 1
@@ -108,7 +110,8 @@ def accept_stats(samples: list[Sample], dflash: str, block_size: int) -> dict:
     return {
         "mean_accept_length": round(stats.mean_accept_length, 4) if steps else None,
         "mean_accept_length_prompt_avg": round(statistics.fmean(per_turn), 4) if per_turn else None,
-        "accept_length_histogram": [round(c / len(steps), 5) for c in counts] if steps else [0.0] * block_size,
+        "accept_length_histogram": ([round(c / len(steps), 5) for c in counts] if steps
+                                    else [0.0] * block_size),
         "num_verify_steps": len(steps),
         "num_plain_steps": plain,
         "speculative_step_fraction": round(len(steps) / (len(steps) + plain), 4) if steps or plain else None,
@@ -129,8 +132,8 @@ def match_stats(samples: list[Sample], dflash: str, reference: str, greedy: bool
         a, b = s.runs[dflash].token_ids, s.runs[reference].token_ids
         if a != b:
             pos, x, y = first_difference(a, b)
-            mismatches.append({"index": s.index, "source_id": s.source_id, "turn": s.turn + 1, "position": pos,
-                               "dflash_token": x, f"{reference}_token": y})
+            mismatches.append({"index": s.index, "source_id": s.source_id, "turn": s.turn + 1,
+                               "position": pos, "dflash_token": x, f"{reference}_token": y})
     return {"fraction": round(1 - len(mismatches) / len(samples), 5), "mismatches": mismatches}
 
 
@@ -140,8 +143,9 @@ def dflash_entry(samples: list[Sample], dflash: str | None, block_size: int, bas
     paired = _paired(samples, names)
     entry: dict = {"method": dflash, "block_size": block_size}
     if dflash is None:
-        entry.update(mean_accept_length=None, mean_accept_length_prompt_avg=None, accept_length_histogram=None,
-                     dflash_tokens_per_s=None, speedup=None, speedup_median=None, outputs_match=None)
+        entry.update(mean_accept_length=None, mean_accept_length_prompt_avg=None,
+                     accept_length_histogram=None, dflash_tokens_per_s=None, speedup=None,
+                     speedup_median=None, outputs_match=None)
     else:
         entry.update(accept_stats(samples, dflash, block_size))
         entry["dflash_tokens_per_s"] = method_summary(paired, dflash)["tokens_per_s"]
@@ -151,7 +155,8 @@ def dflash_entry(samples: list[Sample], dflash: str | None, block_size: int, bas
             entry[f"speedup_vs_{ref}"], entry[f"speedup_vs_{ref}_median"] = mean, median
         entry["speedup"] = entry.get(f"speedup_vs_{baseline}")
         entry["speedup_median"] = entry.get(f"speedup_vs_{baseline}_median")
-        ar = match_stats(samples, dflash, "ar", greedy) if "ar" in names else {"fraction": None, "mismatches": []}
+        ar = (match_stats(samples, dflash, "ar", greedy) if "ar" in names
+              else {"fraction": None, "mismatches": []})
         entry["outputs_match"], entry["mismatches"] = ar["fraction"], ar["mismatches"]
         if "hf" in names:
             entry["hf_outputs_match"] = match_stats(samples, dflash, "hf", greedy)["fraction"]
@@ -193,9 +198,11 @@ def print_table(report: dict, out: TextIO | None = None) -> None:
     out = out or sys.stdout
     methods = report["methods"]
     base = report["baseline"]
-    print(f"\nblockspec bench: {report['dataset']}, {report['num_prompts']} prompts ({report['num_samples']} timed "
-          f"turns), max_new_tokens={report['max_new_tokens']}, temperature={report['temperature']}", file=out)
-    header = f"{'method':<14}{'tok/s':>9}{'tok/s med':>11}{'TPOT ms':>10}{'TPOT med':>10}{'speedup':>9}{'spd med':>9}{'tau':>7}"
+    print(f"\nblockspec bench: {report['dataset']}, {report['num_prompts']} prompts "
+          f"({report['num_samples']} timed turns), max_new_tokens={report['max_new_tokens']}, "
+          f"temperature={report['temperature']}", file=out)
+    header = (f"{'method':<14}{'tok/s':>9}{'tok/s med':>11}{'TPOT ms':>10}{'TPOT med':>10}{'speedup':>9}"
+              f"{'spd med':>9}{'tau':>7}")
     print(header, file=out)
     print("-" * len(header), file=out)
     rows = report.get("sweep") or [report]
@@ -205,7 +212,8 @@ def print_table(report: dict, out: TextIO | None = None) -> None:
         spd, spd_med = ("1.00x", "-") if name == base else ("-", "-")
         if name == "ar" and base == "hf" and report.get("ar_speedup_vs_hf") is not None:
             spd, spd_med = f"{report['ar_speedup_vs_hf']:.2f}x", f"{report['ar_speedup_vs_hf_median']:.2f}x"
-        print(f"{name + (' (baseline)' if name == base else ''):<14}{_fmt(summary['tokens_per_s'], '.2f'):>9}"
+        print(f"{name + (' (baseline)' if name == base else ''):<14}"
+              f"{_fmt(summary['tokens_per_s'], '.2f'):>9}"
               f"{_fmt(summary['tokens_per_s_median'], '.2f'):>11}{_fmt(summary['tpot_ms_mean'], '.1f'):>10}"
               f"{_fmt(summary['tpot_ms_median'], '.1f'):>10}{spd:>9}{spd_med:>9}{'-':>7}", file=out)
     for row in rows:
@@ -215,7 +223,8 @@ def print_table(report: dict, out: TextIO | None = None) -> None:
         print(f"{'dflash B=' + str(row['block_size']):<14}{_fmt(s['tokens_per_s'], '.2f'):>9}"
               f"{_fmt(s['tokens_per_s_median'], '.2f'):>11}{_fmt(s['tpot_ms_mean'], '.1f'):>10}"
               f"{_fmt(s['tpot_ms_median'], '.1f'):>10}{_fmt(row['speedup'], '.2f') + 'x':>9}"
-              f"{_fmt(row['speedup_median'], '.2f') + 'x':>9}{_fmt(row['mean_accept_length'], '.2f'):>7}", file=out)
+              f"{_fmt(row['speedup_median'], '.2f') + 'x':>9}{_fmt(row['mean_accept_length'], '.2f'):>7}",
+              file=out)
         if row.get("speedup_vs_hf") is not None and base != "hf":
             print(f"{'':<14}vs transformers generate: {row['speedup_vs_hf']:.2f}x", file=out)
         if row.get("speedup_vs_ar") is not None and base == "hf":
@@ -223,18 +232,21 @@ def print_table(report: dict, out: TextIO | None = None) -> None:
         hist = " ".join(f"{k}:{f:.2f}" for k, f in enumerate(row["accept_length_histogram"], 1) if f > 0)
         print(f"{'':<14}accept-length histogram {hist}", file=out)
         if row.get("num_plain_steps"):
-            print(f"{'':<14}adaptive speculation: {row['num_verify_steps']} DFlash steps (tau above is theirs), "
-                  f"{row['num_plain_steps']} plain steps", file=out)
+            print(f"{'':<14}adaptive speculation: {row['num_verify_steps']} DFlash steps "
+                  f"(tau above is theirs), {row['num_plain_steps']} plain steps", file=out)
         if row.get("num_lookup_steps"):
-            print(f"{'':<14}prompt lookup: {row['num_lookup_steps']} steps, tau {row['lookup_mean_accept_length']:.2f} "
-                  f"(not in the draft's tau above); {row['tokens_per_step']:.2f} tokens per step overall", file=out)
+            print(f"{'':<14}prompt lookup: {row['num_lookup_steps']} steps, "
+                  f"tau {row['lookup_mean_accept_length']:.2f} (not in the draft's tau above); "
+                  f"{row['tokens_per_step']:.2f} tokens per step overall", file=out)
         if row.get("outputs_match") is not None:
-            flag = "" if row["outputs_match"] == 1.0 else "   <-- LOSSLESSNESS BUG: DFlash output differs from plain decoding"
+            flag = ("" if row["outputs_match"] == 1.0
+                    else "   <-- LOSSLESSNESS BUG: DFlash output differs from plain decoding")
             print(f"{'':<14}outputs_match {row['outputs_match']:.3f}{flag}", file=out)
     for note in report["notes"]:
         print(f"note: {note}", file=out)
     m = report["machine"]
-    print(f"machine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}, {m['device']} {m['dtype']}", file=out)
+    print(f"machine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}, {m['device']} {m['dtype']}",
+          file=out)
 
 
 def write_plot(report: dict, path: str) -> None:
@@ -270,15 +282,18 @@ def write_plot(report: dict, path: str) -> None:
             left.legend()
         left.set_xticks(range(1, max(len(hist), len(lookup)) + 1))
         left.set(xlabel="accepted tokens per verify step (incl. bonus)", ylabel="fraction of steps",
-                 title=f"Acceptance length (tau={report['mean_accept_length'] or 0:.2f}, B={report['block_size']})")
+                 title=f"Acceptance length (tau={report['mean_accept_length'] or 0:.2f}, "
+                       f"B={report['block_size']})")
         pts = [(i, r["speedup"]) for i, r in enumerate(report["per_prompt"]) if r.get("speedup") is not None]
         right.bar([p[0] for p in pts], [p[1] for p in pts], color="tab:green")
         right.axhline(1.0, color="grey", lw=0.8, ls="--")
         if report.get("speedup") is not None:
-            right.axhline(report["speedup"], color="tab:red", lw=1, label=f"mean-TPOT speedup {report['speedup']:.2f}x")
+            right.axhline(report["speedup"], color="tab:red", lw=1,
+                          label=f"mean-TPOT speedup {report['speedup']:.2f}x")
             right.legend()
         right.xaxis.get_major_locator().set_params(integer=True)
-        right.set(xlabel="prompt turn", ylabel=f"decode speedup vs {report['baseline']}", title="Per-prompt speedup")
+        right.set(xlabel="prompt turn", ylabel=f"decode speedup vs {report['baseline']}",
+                  title="Per-prompt speedup")
     fig.suptitle(f"blockspec bench: {report['dataset']}, {report['num_samples']} turns, "
                  f"{report['machine']['device']} ({report['machine']['cpu']})", fontsize=9)
     fig.tight_layout()
@@ -286,10 +301,11 @@ def write_plot(report: dict, path: str) -> None:
     plt.close(fig)
 
 
-TIMING = ("decode-only: per prompt turn, time from the first output token to the last over the tokens after the "
-          "first (TPOT; prefill and the draft's context injection excluded); batch 1; methods interleaved prompt "
-          "by prompt in one process, their order rotating; prompt 0 run once through every method as an uncounted "
-          "warm-up. transformers generate is timed the same way via a streamer (first new token -> end).")
+TIMING = ("decode-only: per prompt turn, time from the first output token to the last over the tokens "
+          "after the first (TPOT; prefill and the draft's context injection excluded); batch 1; methods "
+          "interleaved prompt by prompt in one process, their order rotating; prompt 0 run once through "
+          "every method as an uncounted warm-up. transformers generate is timed the same way via a "
+          "streamer (first new token -> end).")
 
 
 def build_report(samples: list[Sample], names: list[str], dflash: list[tuple[str, int]], baseline: str,
@@ -302,7 +318,8 @@ def build_report(samples: list[Sample], names: list[str], dflash: list[tuple[str
     entries = [dflash_entry(samples, d, size, base, names, greedy) for d, size in dflash] or [
         dflash_entry(samples, None, meta["block_size"], base, names, greedy)]
     best = max(entries, key=lambda e: (e.get("speedup") or 0, e["block_size"]))
-    report = {**meta, **best, "baseline": baseline, "num_samples": len(samples), "num_timed_pairs": len(paired),
+    report = {**meta, **best, "baseline": baseline, "num_samples": len(samples),
+              "num_timed_pairs": len(paired),
               "baseline_tokens_per_s": summaries[base]["tokens_per_s"] if base else None,
               "baseline_tokens_per_s_median": summaries[base]["tokens_per_s_median"] if base else None,
               "ar_tokens_per_s": summaries["ar"]["tokens_per_s"] if "ar" in names else None,
@@ -312,6 +329,7 @@ def build_report(samples: list[Sample], names: list[str], dflash: list[tuple[str
         report["ar_speedup_vs_hf"], report["ar_speedup_vs_hf_median"] = speedups(paired, "hf", "ar")
     if len(entries) > 1:
         report["sweep"] = [{k: v for k, v in e.items() if k != "per_prompt"} for e in entries]
-        report["notes"] = report["notes"] + [f"sweep: top-level DFlash fields are block size {best['block_size']} "
-                                             f"(best speedup); see 'sweep' for every size."]
+        report["notes"] = report["notes"] + [
+            f"sweep: top-level DFlash fields are block size {best['block_size']} "
+            f"(best speedup); see 'sweep' for every size."]
     return report

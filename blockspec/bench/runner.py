@@ -108,7 +108,8 @@ class HFMethod:
         except ImportError as exc:
             raise BlockspecError("--baseline hf needs transformers: pip install transformers.") from exc
         self.llm = llm
-        self.model = AutoModelForCausalLM.from_pretrained(str(llm.model_path), dtype=llm.dtype).to(llm.device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(llm.model_path), dtype=llm.dtype).to(llm.device).eval()
         self.model.generation_config = GenerationConfig()  # no checkpoint defaults leak into the run
         self.stop_ids = sorted(llm.stop_ids)
 
@@ -117,7 +118,8 @@ class HFMethod:
         ids = torch.tensor([prompt_ids], device=self.llm.device)
         clock = _TokenClock()
         kwargs: dict = dict(do_sample=not params.greedy, max_new_tokens=params.max_tokens,
-                            eos_token_id=self.stop_ids, pad_token_id=self.stop_ids[0] if self.stop_ids else 0)
+                            eos_token_id=self.stop_ids,
+                            pad_token_id=self.stop_ids[0] if self.stop_ids else 0)
         if not params.greedy:
             kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0))
             if params.seed is not None:
@@ -143,7 +145,8 @@ def report_mismatch(sample: Sample, dflash: str, reference: str, write: Callable
         return False
     pos, x, y = first_difference(a, b)
     write(f"MISMATCH prompt index {sample.index} ({sample.source_id}), turn {sample.turn + 1}: {dflash} and "
-          f"{reference} outputs first differ at output position {pos}: {dflash} token {x} vs {reference} token {y}")
+          f"{reference} outputs first differ at output position {pos}: "
+          f"{dflash} token {x} vs {reference} token {y}")
     return True
 
 
@@ -164,7 +167,8 @@ def _run_conversation(llm: LLM, prompt: BenchPrompt, methods: list[Method], para
         sample = Sample(prompt.index, prompt.source_id, turn, 0)
         for method in order:
             messages = history[method.name] + [{"role": "user", "content": text}]
-            ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            ids = llm.tokenizer.encode(
+                llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
             if method is methods[0]:
                 sample.num_prompt_tokens = len(ids)
             stats = method.run(ids, _params(params, prompt, turn))
@@ -193,7 +197,8 @@ def run_bench(
     turns = None if multi_turn else 1  # None: every turn
     _run_conversation(llm, prompts[0], methods, params, 1, 0)  # warm-up, not counted
     total = sum(len(p.turns[:turns]) for p in prompts)
-    bar = tqdm(total=total, desc="bench", unit="turn", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=total, desc="bench", unit="turn", file=sys.stderr, disable=not progress,
+               dynamic_ncols=True)
     samples: list[Sample] = []
     try:
         for i, prompt in enumerate(prompts):

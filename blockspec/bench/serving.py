@@ -1,4 +1,5 @@
-"""`blockspec bench-serving`: output tokens/s against concurrency, DFlash and plain decoding on the same engine.
+"""`blockspec bench-serving`: output tokens/s against concurrency, DFlash and plain decoding on the same
+engine.
 
 A closed loop per (method, concurrency): `concurrency` requests are kept in the continuous-batching
 scheduler at all times (a finished request is replaced by the next prompt at once) until every
@@ -40,11 +41,13 @@ def closed_loop(llm, prompts: list[list[int]], params: SamplingParams, concurren
     lookup_tau = stats.lookup_mean_accept_length
     row = {
         "method": algorithm, "concurrency": concurrency, "num_requests": len(seqs),
-        "output_tokens": tokens, "wall_s": round(elapsed, 3), "output_tokens_per_s": round(tokens / elapsed, 2),
-        "mean_accept_length": round(stats.mean_accept_length, 3) if algorithm == "DFLASH" and stats.accept_lengths
-        else None,
+        "output_tokens": tokens, "wall_s": round(elapsed, 3),
+        "output_tokens_per_s": round(tokens / elapsed, 2),
+        "mean_accept_length": (round(stats.mean_accept_length, 3)
+                               if algorithm == "DFLASH" and stats.accept_lengths else None),
         "plain_steps": stats.plain_steps,  # adaptive speculation's (row-)steps without a draft
-        "lookup_steps": len(stats.lookup_accept_lengths),  # prompt-lookup (row-)steps, not in mean_accept_length
+        # prompt-lookup (row-)steps, not in mean_accept_length
+        "lookup_steps": len(stats.lookup_accept_lengths),
         "lookup_mean_accept_length": round(lookup_tau, 3) if lookup_tau is not None else None,
         "mean_ttft_s": round(sum(s.first_token_time - s.arrival_time for s in seqs) / len(seqs), 3),
         "mean_latency_s": round(sum(s.finish_time - s.arrival_time for s in seqs) / len(seqs), 3),
@@ -61,7 +64,8 @@ def run_bench_serving(args: argparse.Namespace) -> None:
     try:
         levels = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
     except ValueError as exc:
-        raise BlockspecError(f"--concurrency={args.concurrency!r} must be a comma-separated list of integers.") from exc
+        raise BlockspecError(f"--concurrency={args.concurrency!r} must be a comma-separated list of "
+                             f"integers.") from exc
     if not levels or levels[0] < 1:
         raise BlockspecError(f"--concurrency={args.concurrency!r} must list integers >= 1.")
     config = EngineConfig.from_args(args, max_num_seqs=args.max_num_seqs or levels[-1])
@@ -71,28 +75,35 @@ def run_bench_serving(args: argparse.Namespace) -> None:
         print(note, file=sys.stderr)
     llm = LLM(config)
     chat = llm.tokenizer.chat_template is not None
-    prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": p.turns[0]}])
-                                    if chat else p.turns[0]) for p in prompts_meta]
+    prompts = [llm.tokenizer.encode(
+                   llm.tokenizer.apply_chat_template([{"role": "user", "content": p.turns[0]}])
+                   if chat else p.turns[0])
+               for p in prompts_meta]
     methods = ["NONE"] + (["DFLASH"] if llm.draft is not None else [])
     for algorithm in methods:  # warm-up: first calls pay for allocation and kernel selection
         closed_loop(llm, prompts[:1], SamplingParams(max_tokens=4), 1, algorithm)
     rows = []
-    print(f"{'method':<8}{'conc':>5}{'tok/s':>10}{'tau':>7}{'TTFT s':>9}{'latency s':>11}{'match':>7}", file=sys.stderr)
+    print(f"{'method':<8}{'conc':>5}{'tok/s':>10}{'tau':>7}{'TTFT s':>9}{'latency s':>11}{'match':>7}",
+          file=sys.stderr)
     for level in levels:
         outputs = {}
         for algorithm in methods:
             row, outputs[algorithm] = closed_loop(llm, prompts, params, level, algorithm)
             if algorithm == "DFLASH" and params.greedy:
-                row["outputs_match"] = sum(a == b for a, b in zip(outputs["DFLASH"], outputs["NONE"])) / len(prompts)
+                row["outputs_match"] = (sum(a == b for a, b in zip(outputs["DFLASH"], outputs["NONE"]))
+                                        / len(prompts))
             rows.append(row)
             tau = f"{row['mean_accept_length']:.2f}" if row["mean_accept_length"] else "-"
             match = f"{row['outputs_match']:.2f}" if "outputs_match" in row else "-"
-            print(f"{row['method']:<8}{level:>5}{row['output_tokens_per_s']:>10.1f}{tau:>7}{row['mean_ttft_s']:>9.2f}"
-                  f"{row['mean_latency_s']:>11.2f}{match:>7}", file=sys.stderr, flush=True)
+            print(f"{row['method']:<8}{level:>5}{row['output_tokens_per_s']:>10.1f}{tau:>7}"
+                  f"{row['mean_ttft_s']:>9.2f}{row['mean_latency_s']:>11.2f}{match:>7}",
+                  file=sys.stderr, flush=True)
     report = {
         "dataset": args.dataset, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature, "block_size": llm.block_size, "max_running_requests": config.max_num_seqs,
-        "max_total_tokens": config.max_total_tokens, "rows": rows, "machine": machine_info(llm.device, llm.dtype),
+        "temperature": args.temperature, "block_size": llm.block_size,
+        "max_running_requests": config.max_num_seqs,
+        "max_total_tokens": config.max_total_tokens, "rows": rows,
+        "machine": machine_info(llm.device, llm.dtype),
         "command": " ".join(["blockspec"] + sys.argv[1:]),
     }
     if args.json:

@@ -40,7 +40,6 @@ class ModelRunner:
         self.device = target.device
         if draft is not None and draft.embed_tokens is None:
             draft.use_target_embedding(target.embed_tokens)
-        self.layout_plan: dict[int, str] = {}  # rows -> Linear layout (layout_tuning.py); {}: none
         self.tune_layouts(row_counts)
         target.lm_head.choose_greedy_form()
 
@@ -65,7 +64,7 @@ class ModelRunner:
         linears = [m for model in (self.target, self.draft) if model is not None
                    for m in model.modules() if isinstance(m, Linear) and m is not head]
         try:  # the weight copies are made outside inference mode: a grad-mode forward may use them too
-            self.layout_plan = tune_layouts(linears + [head], run, row_counts)
+            tune_layouts(linears + [head], run, row_counts)
         finally:
             self.pool.free(slot)
 

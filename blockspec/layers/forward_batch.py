@@ -33,14 +33,16 @@ class ForwardBatch:
     @classmethod
     def in_cache(cls, cache: KVCache, slots: list[int], starts: list[int],
                  input_ids: torch.Tensor | None = None, num_new: int | None = None,
-                 among_new: Structure = "causal") -> ForwardBatch:
-        """New tokens (input_ids [b, n], or num_new of them fed as hidden states) at positions starts[i]..
-        of each row's slot, written to KV rows starts[i].. (rows past a sequence's commit point are scratch:
-        the next forward overwrites them before anything attends to them). The cache readies the rows the
-        forward will touch."""
+                 among_new: Structure = "causal", positions: torch.Tensor | None = None) -> ForwardBatch:
+        """New tokens (input_ids [b, n], or num_new of them fed as hidden states) written to KV rows
+        starts[i].. of each row's slot (rows past a sequence's commit point are scratch: the next forward
+        overwrites them before anything attends to them), at positions starts[i].. unless `positions`
+        [b, n] says otherwise (a tree's nodes sit at their depth). The cache readies the rows the forward
+        touches."""
         n = input_ids.shape[1] if input_ids is not None else num_new
         device = cache.device
-        positions = torch.tensor(starts, device=device).view(-1, 1) + torch.arange(n, device=device)
+        if positions is None:
+            positions = torch.tensor(starts, device=device).view(-1, 1) + torch.arange(n, device=device)
         batch = cls(input_ids, positions, among_new, cache, list(slots), list(starts))
         cache.prepare(batch.slots, batch.kv_length)
         return batch
@@ -105,17 +107,17 @@ class ForwardBatch:
         device = self.positions.device
         if self.cache is None:
             return self._visible_standalone(window)
-        simple = self.among_new == "all" or (self.among_new == "causal" and n == 1)
-        if b == 1 and window is None and simple:
+        structure = "matrix" if isinstance(self.among_new, torch.Tensor) else self.among_new
+        if b == 1 and window is None and (structure == "all" or (structure == "causal" and n == 1)):
             return None  # the keys end with the new tokens, and each sees all of them
         keys = torch.arange(self.kv_length, device=device).view(1, 1, -1)
         starts = torch.tensor(self.starts, device=device).view(-1, 1, 1)
-        if isinstance(self.among_new, torch.Tensor):
+        if structure == "matrix":
             offset = (keys - starts).clamp(0, n - 1).expand(b, n, -1)
             new = (keys >= starts) & (keys < starts + n) & self.among_new.expand(b, n, n).gather(2, offset)
             visible = (keys < starts) | new
-        elif self.among_new == "causal":
-            visible = keys <= self.positions.unsqueeze(-1)
+        elif structure == "causal":  # a query sees the rows up to its own
+            visible = keys <= starts + torch.arange(n, device=device).view(1, -1, 1)
         else:
             visible = (keys < starts + n).expand(b, n, -1)
         if window is not None:

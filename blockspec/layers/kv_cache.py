@@ -27,7 +27,7 @@ class KVCache:
         # grad mode.
         self.k_layers = [self.k[i] for i in range(num_layers)]
         self.v_layers = [self.v[i] for i in range(num_layers)]
-        self.max_len, self.device = max_len, self.k.device
+        self.device = self.k.device
         self._clean_upto = [0 if lazy else max_len] * num_slots  # per slot: rows below are zeroed or written
 
     @classmethod

@@ -67,15 +67,18 @@ class ModelConfig:
             raise ModelLoadError(
                 f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}."
             )
-        # transformers >= 5 writes `rope_parameters` (theta inside); older checkpoints use rope_scaling + rope_theta.
+        # transformers >= 5 writes `rope_parameters` (theta inside); older checkpoints use rope_scaling +
+        # rope_theta.
         rope_parameters = raw.get("rope_parameters") or {}
         rope_theta = float(rope_parameters.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        rope_scaling = raw.get("rope_scaling") or (rope_parameters if rope_parameters.get("rope_type") not in (None, "default") else None)
+        rope_scaling = raw.get("rope_scaling") or (
+            rope_parameters if rope_parameters.get("rope_type") not in (None, "default") else None)
         if rope_scaling is not None:
             kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
             if kind not in ("llama3", "default", "linear"):
                 raise ModelLoadError(
-                    f"{source}: rope_scaling type {kind!r} is not supported (supported: llama3, linear, default)."
+                    f"{source}: rope_scaling type {kind!r} is not supported "
+                    f"(supported: llama3, linear, default)."
                 )
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())

@@ -61,7 +61,8 @@ def ensure_default_model() -> Path:
         if _marker_ok(target, source):
             return target
         if target.exists():
-            print(f"blockspec: {target} is incomplete or from an older format; rebuilding it.", file=sys.stderr)
+            print(f"blockspec: {target} is incomplete or from an older format; rebuilding it.",
+                  file=sys.stderr)
             shutil.rmtree(target)
         for stale in target.parent.glob(f".{MODEL_DIRNAME}.partial-*"):
             shutil.rmtree(stale, ignore_errors=True)
@@ -75,7 +76,8 @@ def ensure_default_model() -> Path:
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
-        print(f"blockspec: converted {source.name} -> {target} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        print(f"blockspec: converted {source.name} -> {target} in {time.perf_counter() - start:.1f} s",
+              file=sys.stderr)
     return target
 
 
@@ -85,7 +87,8 @@ def _exclusive_lock(path: Path) -> Iterator[None]:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            print(f"blockspec: waiting for another process to finish converting ({path}) ...", file=sys.stderr)
+            print(f"blockspec: waiting for another process to finish converting ({path}) ...",
+                  file=sys.stderr)
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -105,7 +108,8 @@ def _write_marker(folder: Path, source: Path) -> None:
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
     stat = source.stat()
     _save_marker(folder, {"format": FORMAT_VERSION, "source": str(source), "gguf_size": stat.st_size,
-                          "gguf_mtime_ns": stat.st_mtime_ns, "gguf_sha256": file_sha256(source), "files": files})
+                          "gguf_mtime_ns": stat.st_mtime_ns, "gguf_sha256": file_sha256(source),
+                          "files": files})
 
 
 def _save_marker(folder: Path, marker: dict) -> None:

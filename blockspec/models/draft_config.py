@@ -88,11 +88,13 @@ def _positive_float(value: object, name: str, where: str, default: float) -> flo
     if value is None:
         return default
     try:
-        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+        number = (float(value) if isinstance(value, (int, float)) and not isinstance(value, bool)
+                  else math.nan)
     except OverflowError:  # an int too big for a float
         number = math.inf
     if not math.isfinite(number) or number <= 0:
-        raise DraftConfigError(f"DFLASH {where}: invalid {name}={value!r}; it must be a finite number > 0. {_FIX}")
+        raise DraftConfigError(f"DFLASH {where}: invalid {name}={value!r}; it must be a finite number > 0. "
+                               f"{_FIX}")
     return number
 
 
@@ -106,25 +108,26 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     if big_l < 4:
         raise DraftConfigError(
             f"DFLASH cannot pick default target_layer_ids for num_target_layers={big_l} and "
-            f"{n} draft layers: the formula spreads ids over layers 1..L-3 and needs num_target_layers >= 4. {fix}")
+            f"{n} draft layers: the formula spreads ids over layers 1..L-3 and "
+            f"needs num_target_layers >= 4. {fix}")
     span = big_l - 4  # end (L - 3) minus start (1)
     return tuple(int(round(1 + i * span / (n - 1))) for i in range(n))
 
 
 def _layer_ids(value: object, source: str, where: str, big_l: int) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)) or not value:
-        raise DraftConfigError(f"DFLASH {source}: {where}={value!r} must be a non-empty list of target layer ids "
-                               f"(ints in [0, {big_l})). {_FIX}")
+        raise DraftConfigError(f"DFLASH {source}: {where}={value!r} must be a non-empty list of target "
+                               f"layer ids (ints in [0, {big_l})). {_FIX}")
     for i, v in enumerate(value):
         if not _is_int(v) or not 0 <= v < big_l:
             raise DraftConfigError(
-                f"DFLASH {source}: {where}[{i}]={v!r} is not a layer of the runtime target: ids must be ints "
-                f"in [0, {big_l}) (the target has num_hidden_layers={big_l}). The draft was probably trained for "
-                f"another target; use the draft made for this target, or fix {where}.")
+                f"DFLASH {source}: {where}[{i}]={v!r} is not a layer of the runtime target: ids must be "
+                f"ints in [0, {big_l}) (the target has num_hidden_layers={big_l}). The draft was probably "
+                f"trained for another target; use the draft made for this target, or fix {where}.")
     dups = sorted({v for v in value if value.count(v) > 1})
     if dups:
-        raise DraftConfigError(f"DFLASH {source}: {where}={list(value)} repeats layer ids {dups}; each target "
-                               f"layer may be tapped once. {_FIX}")
+        raise DraftConfigError(f"DFLASH {source}: {where}={list(value)} repeats layer ids {dups}; each "
+                               f"target layer may be tapped once. {_FIX}")
     return tuple(value)
 
 
@@ -145,8 +148,9 @@ def _layer_types(raw: dict, n: int, where: str) -> tuple[tuple[str, ...], int | 
             raise DraftConfigError(f"DFLASH {where}: unsupported layer_types[{i}]={t!r}; "
                                    f"supported: {list(LAYER_TYPES)}. {_FIX}")
     if "sliding_attention" in types and window is None:
-        raise DraftConfigError(f"DFLASH {where}: layer_types has sliding_attention layers but sliding_window is "
-                               f"not set; set sliding_window to the positive window the draft was trained with.")
+        raise DraftConfigError(f"DFLASH {where}: layer_types has sliding_attention layers but "
+                               f"sliding_window is not set; set sliding_window to the positive window the "
+                               f"draft was trained with.")
     return tuple(types), window
 
 
@@ -164,7 +168,8 @@ def _resolve_mask(raw: dict, dcfg: dict, source: str, has_embed: bool, bound: in
         cfg_token, token_where)
     if token is not None and (not isinstance(token, str) or not token):
         raise DraftConfigError(f"DFLASH mask_token must be a non-empty string, got {token_where}={token!r}. "
-                               f"Give the token's text (e.g. '<|MASK|>'); to give an id use --mask-token-id.")
+                               f"Give the token's text (e.g. '<|MASK|>'); "
+                               f"to give an id use --mask-token-id.")
     cfg_id, id_where = _get(raw, dcfg, "mask_token_id")
     if cfg_id is not None:
         _int(cfg_id, id_where, source, minimum=0)
@@ -180,17 +185,18 @@ def _resolve_mask(raw: dict, dcfg: dict, source: str, has_embed: bool, bound: in
     if explicit is not None and vocab_id is not None and vocab_id != explicit:
         raise DraftConfigError(
             f"DFLASH config mismatch: {where}={explicit} conflicts with the tokenizer, which maps "
-            f"mask_token={token!r} to id {vocab_id}. Make them agree: drop one of them, or fix the draft config.")
+            f"mask_token={token!r} to id {vocab_id}. "
+            f"Make them agree: drop one of them, or fix the draft config.")
     if explicit is None and vocab_id is None:
         table = "draft's" if has_embed else "target"
         why = ("no tokenizer is loaded to look it up" if token is not None and token_to_id is None
                else "it is not in the target tokenizer's vocabulary" if token is not None
                else "the draft config sets neither dflash_config.mask_token_id nor dflash_config.mask_token")
         raise DraftConfigError(
-            f"DFLASH cannot resolve a mask token id for mask_token={token!r} ({source}): {why}. Adding the token "
-            f"would need vocab expansion, which blockspec refuses: the {table} embedding has no trained row for "
-            f"a new token. Pass --mask-token-id with an existing reserved/unused token id, or use the id the draft "
-            f"was trained with (its dflash_config.mask_token_id).")
+            f"DFLASH cannot resolve a mask token id for mask_token={token!r} ({source}): {why}. Adding the "
+            f"token would need vocab expansion, which blockspec refuses: the {table} embedding has no "
+            f"trained row for a new token. Pass --mask-token-id with an existing reserved/unused token id, "
+            f"or use the id the draft was trained with (its dflash_config.mask_token_id).")
     mask_id = explicit if explicit is not None else vocab_id
     if bound is not None and mask_id >= bound:  # type: ignore[operator]
         label = f"{where if explicit is not None else 'mask_token_id'}={mask_id}"
@@ -198,9 +204,9 @@ def _resolve_mask(raw: dict, dcfg: dict, source: str, has_embed: bool, bound: in
             label += f" (mask_token={token!r}{', from the tokenizer' if explicit is None else ''})"
         raise DraftConfigError(
             f"DFLASH {source}: {label} is outside "
-            f"{vocab_note(has_embed, bound)}; ids must be < {bound}. A new token would need vocab expansion, "
-            f"which blockspec refuses. Use a draft and target from the same release, or pass --mask-token-id "
-            f"with a reserved/unused token id < {bound}.")
+            f"{vocab_note(has_embed, bound)}; ids must be < {bound}. A new token would need vocab "
+            f"expansion, which blockspec refuses. Use a draft and target from the same release, or pass "
+            f"--mask-token-id with a reserved/unused token id < {bound}.")
     return token, mask_id  # type: ignore[return-value]
 
 
@@ -219,27 +225,30 @@ def _block_size(raw: dict, dcfg: dict, source: str, cli: int | None, warn: Warn)
         _int(cli, "--block-size", "command line", fix="Pass an integer such as --block-size 16.")
     size = cli if cli is not None else trained
     if size is None:
-        warn(f"DFLASH {source} declares no block_size and --block-size was not given; using {DEFAULT_BLOCK_SIZE}.")
+        warn(f"DFLASH {source} declares no block_size and --block-size was not given; using "
+             f"{DEFAULT_BLOCK_SIZE}.")
         size = DEFAULT_BLOCK_SIZE
     if size < 2:
         flag = "--block-size" if cli is not None else where
         raise DraftConfigError(
-            f"DFLASH {flag}={size} is too small: a DFlash block needs >= 2 tokens (the bonus plus at least one "
-            f"drafted token); block size 1 is just plain decoding. Use --speculative-algorithm NONE for plain "
-            f"decoding, or --block-size >= 2.")
+            f"DFLASH {flag}={size} is too small: a DFlash block needs >= 2 tokens (the bonus plus at least "
+            f"one drafted token); block size 1 is just plain decoding. Use --speculative-algorithm NONE for "
+            f"plain decoding, or --block-size >= 2.")
     # blockspec extension: a draft whose block_size is the size it runs at best may record the larger size it
     # was trained at (other loaders ignore the key)
     trained_on = dcfg.get("trained_block_size")
     if trained_on is not None:
         _int(trained_on, "dflash_config.trained_block_size", source)
     if cli is not None and trained is not None and cli != trained:
-        limit, limit_where = (trained, where) if trained_on is None else (trained_on, "dflash_config.trained_block_size")
+        limit, limit_where = ((trained, where) if trained_on is None
+                              else (trained_on, "dflash_config.trained_block_size"))
         if cli > limit:
-            warn(f"DFLASH --block-size={cli} is LARGER than the draft's trained {limit_where}={limit} ({source}): "
-                 f"positions past {limit} were never trained, so acceptance will drop. Prefer <= {limit}.")
+            warn(f"DFLASH --block-size={cli} is LARGER than the draft's trained {limit_where}={limit} "
+                 f"({source}): positions past {limit} were never trained, so acceptance will drop. "
+                 f"Prefer <= {limit}.")
         elif trained_on is not None:
-            warn(f"DFLASH --block-size={cli} overrides the draft's default {where}={trained} ({source}), within "
-                 f"the {trained_on} it was trained at.")
+            warn(f"DFLASH --block-size={cli} overrides the draft's default {where}={trained} ({source}), "
+                 f"within the {trained_on} it was trained at.")
         else:
             warn(f"DFLASH --block-size={cli} overrides the draft's trained {where}={trained} ({source}); "
                  f"a draft trained on larger blocks runs on smaller ones.")
@@ -266,15 +275,16 @@ def resolve_draft_config(raw: dict, *, target: ModelConfig, source: str = "confi
     for key in _UNSUPPORTED:
         value, where = _get(raw, dcfg, key)
         if value not in (None, 0, False):
-            raise DraftConfigError(f"DFLASH {source}: {where}={value!r} selects a feature of another DFlash variant "
-                                   f"that blockspec does not implement; only plain DFlashDraftModel drafts run.")
+            raise DraftConfigError(f"DFLASH {source}: {where}={value!r} selects a feature of another DFlash "
+                                   f"variant that blockspec does not implement; only plain DFlashDraftModel "
+                                   f"drafts run.")
     if raw.get("hidden_act") not in (None, "silu"):
         raise DraftConfigError(f"DFLASH {source}: hidden_act={raw['hidden_act']!r} is not supported; "
                                f"DFlash drafts use silu (SwiGLU). {_FIX}")
     layers = _int(raw.get("num_hidden_layers"), "num_hidden_layers", source)
     if layers > MAX_DRAFT_LAYERS:  # found by the junk-config property test: a huge count exhausted memory
-        raise DraftConfigError(f"DFLASH {source}: num_hidden_layers={layers} is implausible for a draft (DFlash "
-                               f"drafts have 1-8 layers; the limit is {MAX_DRAFT_LAYERS}). {_FIX}")
+        raise DraftConfigError(f"DFLASH {source}: num_hidden_layers={layers} is implausible for a draft "
+                               f"(DFlash drafts have 1-8 layers; the limit is {MAX_DRAFT_LAYERS}). {_FIX}")
     hidden = _int(raw.get("hidden_size"), "hidden_size", source)
     if hidden != target.hidden_size:
         raise DraftConfigError(
@@ -298,17 +308,19 @@ def resolve_draft_config(raw: dict, *, target: ModelConfig, source: str = "confi
     max_pos = raw.get("max_position_embeddings")
     max_pos = 32768 if max_pos is None else _int(max_pos, "max_position_embeddings", source)
     rope_scaling = raw.get("rope_scaling")
-    if rope_scaling is not None and (not isinstance(rope_scaling, dict)
-                                     or rope_scaling.get("rope_type", rope_scaling.get("type")) not in ROPE_TYPES):
+    if rope_scaling is not None and (
+            not isinstance(rope_scaling, dict)
+            or rope_scaling.get("rope_type", rope_scaling.get("type")) not in ROPE_TYPES):
         raise DraftConfigError(f"DFLASH {source}: rope_scaling={rope_scaling!r} is not supported "
-                               f"(rope_type must be one of {list(ROPE_TYPES)}, or rope_scaling null). {_FIX}")
+                               f"(rope_type must be one of {list(ROPE_TYPES)}, or rope_scaling null). "
+                               f"{_FIX}")
     layer_types, window = _layer_types(raw, layers, source)
 
     big_l = target.num_hidden_layers
     declared_l, where = _get(raw, dcfg, "num_target_layers")
     if declared_l is not None and _int(declared_l, where, source) != big_l:
-        warn(f"DFLASH {source}: the draft was trained for a target with {where}={declared_l} layers, but the "
-             f"runtime target has num_hidden_layers={big_l}; using {big_l}.")
+        warn(f"DFLASH {source}: the draft was trained for a target with {where}={declared_l} layers, but "
+             f"the runtime target has num_hidden_layers={big_l}; using {big_l}.")
     ids, where = _get(raw, dcfg, "target_layer_ids")
     layer_ids = (default_target_layer_ids(big_l, layers) if ids is None
                  else _layer_ids(ids, source, where, big_l))

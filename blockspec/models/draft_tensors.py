@@ -17,17 +17,19 @@ _log = logging.getLogger(__name__)
 
 
 def check_draft_vocab(ids: torch.Tensor, vocab_size: int, source: str) -> torch.Tensor:
-    """The optional `draft_vocab` tensor's values: distinct token ids < vocab_size, returned sorted (int64)."""
+    """The optional `draft_vocab` tensor's values: distinct token ids < vocab_size, returned sorted
+    (int64)."""
     if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise DraftConfigError(f"DFLASH {source}: {DRAFT_VOCAB} has dtype {ids.dtype}; it must hold integer token "
-                               f"ids. Re-export the draft, or drop the tensor.")
+        raise DraftConfigError(f"DFLASH {source}: {DRAFT_VOCAB} has dtype {ids.dtype}; it must hold integer "
+                               f"token ids. Re-export the draft, or drop the tensor.")
     ids = ids.long().sort().values
     bad = ids[(ids < 0) | (ids >= vocab_size)]
     if bad.numel() or (ids[1:] == ids[:-1]).any():
         what = f"id {int(bad[0])} is outside [0, {vocab_size})" if bad.numel() else "it repeats an id"
-        raise DraftConfigError(f"DFLASH {source}: {DRAFT_VOCAB} must list distinct token ids of the target's "
-                               f"vocabulary (vocab_size={vocab_size}), but {what}. The draft was trained for "
-                               f"another tokenizer; use a draft trained on this target's vocabulary.")
+        raise DraftConfigError(f"DFLASH {source}: {DRAFT_VOCAB} must list distinct token ids of the "
+                               f"target's vocabulary (vocab_size={vocab_size}), but {what}. The draft was "
+                               f"trained for another tokenizer; use a draft trained on this target's "
+                               f"vocabulary.")
     return ids
 
 
@@ -45,7 +47,8 @@ def draft_tensor_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
             p + "mlp.down_proj.weight": (h, inter),
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
-    out.update({"norm.weight": (h,), "fc.weight": (h, len(cfg.target_layer_ids) * h), "hidden_norm.weight": (h,)})
+    out.update({"norm.weight": (h,), "fc.weight": (h, len(cfg.target_layer_ids) * h),
+                "hidden_norm.weight": (h,)})
     if cfg.has_embed_tokens:
         out["embed_tokens.weight"] = (cfg.vocab_size or -1, h)
     return out
@@ -66,9 +69,10 @@ def check_draft_tensors(cfg: DraftConfig, shapes: dict[str, Any], source: str, *
         trained = f" ({fc[1] // h} target layers)" if fc[1] % h == 0 else ""
         raise DraftConfigError(
             f"DFLASH {source}: fc.weight has shape {fc}, but K=len(target_layer_ids)={k} "
-            f"({list(cfg.target_layer_ids)}) with hidden size H={h} needs width K*H={k * h}; the actual width is "
-            f"{fc[1]}{trained}. The checkpoint was trained for a different number of target layers: set "
-            f"dflash_config.target_layer_ids to the ids it was trained with, or use the matching config.json.")
+            f"({list(cfg.target_layer_ids)}) with hidden size H={h} needs width K*H={k * h}; the actual "
+            f"width is {fc[1]}{trained}. The checkpoint was trained for a different number of target "
+            f"layers: set dflash_config.target_layer_ids to the ids it was trained with, or use the "
+            f"matching config.json.")
     if cfg.has_embed_tokens and "embed_tokens.weight" not in got:
         raise DraftConfigError(
             f"DFLASH {source}: the draft config declares has_embed_tokens=true but the checkpoint has no "
@@ -80,23 +84,23 @@ def check_draft_tensors(cfg: DraftConfig, shapes: dict[str, Any], source: str, *
                 if f"model.{missing[0]}" in got else "")
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise DraftConfigError(f"DFLASH {source}: the draft checkpoint is missing {len(missing)} required "
-                               f"tensor(s): {', '.join(missing[:5])}{more}.{hint} Use a complete z-lab format "
-                               f"draft checkpoint, or check that config.json matches it.")
+                               f"tensor(s): {', '.join(missing[:5])}{more}.{hint} Use a complete z-lab "
+                               f"format draft checkpoint, or check that config.json matches it.")
     bad = [f"{n} is {got[n]}, expected {want[n]}" for n in want if not _fits(want[n], got[n])]
     if bad:
-        raise DraftConfigError(f"DFLASH {source}: tensor shapes do not match config.json: {'; '.join(bad[:5])}"
-                               f"{' ...' if len(bad) > 5 else ''}. config.json and the weights come from "
-                               f"different drafts; use a matching pair.")
+        raise DraftConfigError(f"DFLASH {source}: tensor shapes do not match config.json: "
+                               f"{'; '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}. config.json and the "
+                               f"weights come from different drafts; use a matching pair.")
     if cfg.has_embed_tokens and cfg.mask_token_id >= got["embed_tokens.weight"][0]:
         rows = got["embed_tokens.weight"][0]
         raise DraftConfigError(
-            f"DFLASH {source}: mask_token_id={cfg.mask_token_id} is outside {vocab_note(True, rows)}; ids must "
-            f"be < {rows}. Pass --mask-token-id with the id the draft was trained with.")
+            f"DFLASH {source}: mask_token_id={cfg.mask_token_id} is outside {vocab_note(True, rows)}; ids "
+            f"must be < {rows}. Pass --mask-token-id with the id the draft was trained with.")
     vocab = got.get(DRAFT_VOCAB)
     if vocab is not None and (len(vocab) != 1 or vocab[0] < 1):
         raise DraftConfigError(
-            f"DFLASH {source}: {DRAFT_VOCAB} has shape {list(vocab)}; it must be a non-empty list of token ids "
-            f"(1-D). Re-export the draft, or drop the tensor to let the draft propose any token.")
+            f"DFLASH {source}: {DRAFT_VOCAB} has shape {list(vocab)}; it must be a non-empty list of token "
+            f"ids (1-D). Re-export the draft, or drop the tensor to let the draft propose any token.")
     extra = sorted(set(got) - set(want) - {DRAFT_VOCAB})
     if extra:
         note = (" embed_tokens.weight is ignored: the config does not set has_embed_tokens, so the target's "

@@ -65,7 +65,8 @@ def _hf_name(gguf_name: str) -> str:
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES and parts[3] == "weight":
         return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}.weight"
-    raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no Llama equivalent; this converter handles Llama GGUFs only.")
+    raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no Llama equivalent; "
+                         f"this converter handles Llama GGUFs only.")
 
 
 def read_config(reader: Any) -> dict[str, Any]:
@@ -117,11 +118,13 @@ def convert_gguf(source: Path, out_dir: Path) -> None:
     try:
         reader = gguf.GGUFReader(str(source))
     except Exception as exc:  # gguf raises bare ValueError/struct errors on damaged files
-        raise ModelLoadError(f"{source} is not a readable GGUF ({exc}). Reinstall it: {INSTALL_HINT}.") from exc
+        raise ModelLoadError(f"{source} is not a readable GGUF ({exc}). Reinstall it: "
+                             f"{INSTALL_HINT}.") from exc
     config = read_config(reader)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ModelLoadError(f"{source} uses llama3 rope scaling (rope_freqs), which this converter does not handle.")
+        raise ModelLoadError(f"{source} uses llama3 rope scaling (rope_freqs), "
+                             f"which this converter does not handle.")
 
     tensors: dict[str, np.ndarray] = {}
     for tensor in tqdm(reader.tensors, desc=f"Converting {source.name}", unit="tensor", file=sys.stderr):
@@ -136,7 +139,8 @@ def convert_gguf(source: Path, out_dir: Path) -> None:
 
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     eos_ids = write_tokenizer_files(reader, out_dir)
-    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos_ids, "pad_token_id": config["pad_token_id"]}
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos_ids,
+                  "pad_token_id": config["pad_token_id"]}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
@@ -154,13 +158,16 @@ def write_tokenizer_files(reader: Any, out_dir: Path) -> list[int]:
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
     odd = [t for t, k in zip(tokens, types) if k == 1 and not set(t) <= alphabet]
     if len(vocab) != len(tokens) or odd or any(len(m) != 2 for m in merges):
-        raise ModelLoadError(f"GGUF vocabulary is not a clean byte-level BPE (e.g. {odd[:3]}); cannot convert it.")
+        raise ModelLoadError(f"GGUF vocabulary is not a clean byte-level BPE (e.g. {odd[:3]}); "
+                             f"cannot convert it.")
 
     pre = _field(reader, "tokenizer.ggml.pre", "default")
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=False))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                               ignore_merges=False))
     if pre in _DIGIT_SPLIT_PRE:  # llama.cpp: each digit alone first, then the GPT-2 regex
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     byte_level])
     elif pre in _GPT2_PRE:
         tok.pre_tokenizer = byte_level
     else:
@@ -201,12 +208,15 @@ def write_tokenizer_files(reader: Any, out_dir: Path) -> list[int]:
         "chat_template": _field(reader, "tokenizer.chat_template"),
         "clean_up_tokenization_spaces": False,
         "model_max_length": int(_field(reader, "llama.context_length", 2048)),
-        # transformers 5 rebuilds a "GPT2Tokenizer" from vocab+merges and drops our digit-splitting pre-tokenizer.
+        # transformers 5 rebuilds a "GPT2Tokenizer" from vocab+merges and drops our digit-splitting
+        # pre-tokenizer.
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
     # llama.cpp also ends generation on these control tokens, not only on the declared eos.
-    stops = [t for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>") if t in control]
+    stops = [t for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+             if t in control]
     return list(dict.fromkeys([vocab[t] for t in ([eos] if eos else []) + stops]))
 
 
@@ -225,4 +235,5 @@ def _check_shapes(tensors: dict[str, np.ndarray], config: dict[str, Any]) -> Non
             raise ModelLoadError(f"GGUF tensor for {name} has shape {got}, config implies {shape}.")
     layers = {int(n.split(".")[2]) for n in tensors if n.startswith("model.layers.")}
     if layers != set(range(config["num_hidden_layers"])):
-        raise ModelLoadError(f"GGUF holds layers {sorted(layers)}, config says {config['num_hidden_layers']}.")
+        raise ModelLoadError(f"GGUF holds layers {sorted(layers)}, config says "
+                             f"{config['num_hidden_layers']}.")

@@ -73,8 +73,8 @@ class Tokenizer:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise ModelLoadError(
-                f"{path} is missing: blockspec needs the fast-tokenizer file tokenizer.json. Fix: copy it from the "
-                f"original checkpoint, or create it with transformers: "
+                f"{path} is missing: blockspec needs the fast-tokenizer file tokenizer.json. Fix: copy it "
+                f"from the original checkpoint, or create it with transformers: "
                 f"AutoTokenizer.from_pretrained({str(folder)!r}).save_pretrained({str(folder)!r})."
             )
         try:
@@ -107,8 +107,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render `messages` with the checkpoint's template, as transformers' apply_chat_template(tokenize=False)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Render `messages` with the checkpoint's template, as transformers'
+        apply_chat_template(tokenize=False)."""
         if self.chat_template is None:
             raise RequestError(
                 f"The model at {self.source} has no chat template (none in tokenizer_config.json or "
@@ -125,7 +127,8 @@ class Tokenizer:
                 raise ModelLoadError(f"The chat template of {self.source} does not parse: {exc}.") from exc
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens,
+                **kwargs
             )
         except jinja2.TemplateError as exc:
             raise RequestError(f"The chat template rejected these messages: {exc}") from exc
@@ -151,9 +154,11 @@ def _chat_environment() -> Any:
 
     def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
                separators: Any = None, sort_keys: bool = False) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationBlock, loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

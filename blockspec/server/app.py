@@ -30,7 +30,8 @@ from blockspec.errors import BlockspecError
 from blockspec.server.async_engine import AsyncEngine, Output
 from blockspec.server.metrics import Metrics
 from blockspec.server.protocol import (
-    APIError, ParsedRequest, chat_messages, choice, envelope, extension, parse_request, sampling_params, usage,
+    APIError, ParsedRequest, chat_messages, choice, envelope, extension, parse_request, sampling_params,
+    usage,
 )
 
 log = logging.getLogger("blockspec.server")
@@ -53,7 +54,8 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
         await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="blockspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.engine, app.state.llm, app.state.metrics, app.state.model_name = engine, llm, metrics, model_name
+    app.state.engine, app.state.llm, app.state.metrics, app.state.model_name = (
+        engine, llm, metrics, model_name)
 
     def error(exc: APIError) -> JSONResponse:
         metrics.http_error(exc.status)
@@ -75,20 +77,23 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
     @app.exception_handler(Exception)
     async def on_crash(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error in %s", request.url.path)
-        return error(APIError(500, f"Internal server error: {type(exc).__name__}: {exc}", kind="internal_error"))
+        return error(APIError(500, f"Internal server error: {type(exc).__name__}: {exc}",
+                              kind="internal_error"))
 
     async def authorize(request: Request) -> None:
         if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+        if (scheme.lower() != "bearer"
+                or not secrets.compare_digest(token.strip().encode(), api_key.encode())):
             raise APIError(401, "Invalid or missing API key: send the header 'Authorization: Bearer <key>'.",
                            code="invalid_api_key")
 
     @app.get("/health")
     async def health() -> JSONResponse:
         status = 200 if engine.alive else 503
-        return JSONResponse({"status": "ok" if status == 200 else "engine stopped", **engine.snapshot}, status)
+        return JSONResponse({"status": "ok" if status == 200 else "engine stopped", **engine.snapshot},
+                            status)
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
@@ -97,7 +102,8 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict:
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "blockspec",
-                "max_model_len": llm.max_model_len, "speculative_algorithm": algorithm, "block_size": block_size}
+                "max_model_len": llm.max_model_len, "speculative_algorithm": algorithm,
+                "block_size": block_size}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
@@ -114,16 +120,19 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(400, f"The request body is not valid JSON: {exc}.") from exc
         if isinstance(body, dict) and body.get("model") is not None and body.get("model") != model_name:
-            raise APIError(400, f"The model {body['model']!r} does not exist; this server serves {model_name!r} "
-                                f"(see GET /v1/models).", param="model", code="model_not_found")
+            raise APIError(400, f"The model {body['model']!r} does not exist; "
+                                f"this server serves {model_name!r} (see GET /v1/models).",
+                           param="model", code="model_not_found")
         parsed = parse_request(body, chat)
         seq = make_sequence(body, parsed, chat)
         if not engine.alive:
-            raise APIError(503, "The engine is not running; the server is starting or stopping.", kind="server_error")
+            raise APIError(503, "The engine is not running; the server is starting or stopping.",
+                           kind="server_error")
         outputs = engine.submit(seq, parsed.stop)
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         if parsed.stream:
-            return StreamingResponse(stream(seq, outputs, parsed, chat, rid, created), media_type="text/event-stream",
+            return StreamingResponse(stream(seq, outputs, parsed, chat, rid, created),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await collect(request, seq, outputs, chat, rid, created)
 
@@ -142,7 +151,8 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
             scheduler.check(seq)
             return seq
         except BlockspecError as exc:
-            code = "context_length_exceeded" if "context length" in str(exc) or "KV tokens" in str(exc) else None
+            code = ("context_length_exceeded" if "context length" in str(exc) or "KV tokens" in str(exc)
+                    else None)
             raise APIError(400, str(exc), param="messages" if chat else "prompt", code=code) from exc
 
     def final(out: Output) -> dict:
@@ -153,7 +163,8 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
         done = False
         try:
             if chat:
-                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}
                 yield sse(envelope(chat, True, rid, created, model_name, [first]))
             while True:
                 out: Output = await outputs.get()
@@ -162,11 +173,12 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
                     yield sse(APIError(500, out.error, kind="internal_error").body())
                     break
                 if out.text:
-                    yield sse(envelope(chat, True, rid, created, model_name, [choice(chat, out.text, None, True)]))
+                    yield sse(envelope(chat, True, rid, created, model_name,
+                                       [choice(chat, out.text, None, True)]))
                 if out.finish_reason is not None:
                     done = True
-                    yield sse(envelope(chat, True, rid, created, model_name, [choice(chat, "", out.finish_reason, True)],
-                                       blockspec=final(out)))
+                    yield sse(envelope(chat, True, rid, created, model_name,
+                                       [choice(chat, "", out.finish_reason, True)], blockspec=final(out)))
                     if parsed.include_usage:
                         yield sse(envelope(chat, True, rid, created, model_name, [],
                                            usage=usage(len(seq.prompt_ids), out.num_output_tokens)))
@@ -200,8 +212,10 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
                 pieces.append(out.text)
                 if out.finish_reason is not None:
                     done = True
-                    body = envelope(chat, False, rid, created, model_name, [choice(chat, "".join(pieces), out.finish_reason, False)],
-                                    usage=usage(len(seq.prompt_ids), out.num_output_tokens), blockspec=final(out))
+                    body = envelope(chat, False, rid, created, model_name,
+                                    [choice(chat, "".join(pieces), out.finish_reason, False)],
+                                    usage=usage(len(seq.prompt_ids), out.num_output_tokens),
+                                    blockspec=final(out))
                     return JSONResponse(body)
         finally:
             for task in (pending, watch):

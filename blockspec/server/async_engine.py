@@ -92,7 +92,8 @@ class AsyncEngine:
 
     def submit(self, seq: Sequence, stop: list[str]) -> asyncio.Queue:
         """Queue a validated sequence; its `Output`s arrive on the returned queue."""
-        tracked = _Tracked(seq, asyncio.get_running_loop(), asyncio.Queue(), StreamDecoder(self.tokenizer), stop)
+        tracked = _Tracked(seq, asyncio.get_running_loop(), asyncio.Queue(), StreamDecoder(self.tokenizer),
+                           stop)
         self._inbox.put(("add", tracked))
         self._wake.set()
         return tracked.queue
@@ -120,7 +121,8 @@ class AsyncEngine:
             accepts: list[int] = []
             for seq in ran:
                 accepts += self._deliver(seq)
-            self.metrics.step(time.perf_counter() - start, accepts if self.scheduler.decoder.speculative else [])
+            self.metrics.step(time.perf_counter() - start,
+                              accepts if self.scheduler.decoder.speculative else [])
             self._publish()
         self._fail_all("the server is shutting down")
 

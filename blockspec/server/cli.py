@@ -14,8 +14,10 @@ def register(sub) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    serve.add_argument("--served-model-name", default=None, help="model id in the API (default: the model folder name)")
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--served-model-name", default=None,
+                       help="model id in the API (default: the model folder name)")
+    serve.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"])
     add_serving_args(serve, default_running=16)
     add_model_args(serve)
     serve.set_defaults(func=run_serve)
@@ -34,13 +36,15 @@ def run_serve(args: argparse.Namespace) -> None:
         with socket.create_server((args.host, args.port)):
             pass
     except OSError as exc:
-        raise BlockspecError(f"Cannot listen on {args.host}:{args.port} ({exc.strerror}); pick another --port.") from exc
+        raise BlockspecError(f"Cannot listen on {args.host}:{args.port} ({exc.strerror}); "
+                             f"pick another --port.") from exc
     llm = LLM(config)
     app = create_app(llm, api_key=args.api_key, served_model_name=args.served_model_name)
     scheduler = app.state.engine.scheduler
     if scheduler.max_total_tokens < llm.max_model_len - 1 + scheduler.width:
-        print(f"warning: the KV budget ({scheduler.max_total_tokens} tokens) is below one full-context request "
-              f"({llm.max_model_len - 1 + scheduler.width}); longer requests will be refused with 400.", flush=True)
+        print(f"warning: the KV budget ({scheduler.max_total_tokens} tokens) is below one full-context "
+              f"request ({llm.max_model_len - 1 + scheduler.width}); longer requests will be refused "
+              f"with 400.", flush=True)
     print(f"blockspec serving {app.state.model_name} ({llm.speculative_algorithm}, block {llm.block_size}) "
           f"on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

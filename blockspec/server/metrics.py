@@ -62,8 +62,10 @@ class Metrics:
             "blockspec_accept_length", "Tokens committed per verify step (tau, bonus included)",
             tuple(float(i) for i in range(1, max(block_size, 1) + 1)),
         )
-        self.step_latency = Histogram("blockspec_step_latency_seconds", "Wall time of one engine step", STEP_BUCKETS)
-        self.ttft = Histogram("blockspec_time_to_first_token_seconds", "Arrival to first token", TTFT_BUCKETS)
+        self.step_latency = Histogram("blockspec_step_latency_seconds", "Wall time of one engine step",
+                                      STEP_BUCKETS)
+        self.ttft = Histogram("blockspec_time_to_first_token_seconds", "Arrival to first token",
+                              TTFT_BUCKETS)
         self.gauges: dict[str, float] = {}
 
     def request_done(self, reason: str, prompt_tokens: int, output_tokens: int, ttft: float | None,
@@ -104,11 +106,13 @@ class Metrics:
                 lines.append(f'blockspec_http_errors_total{{status="{status}"}} {count}')
             for name, value, help_ in (
                 ("blockspec_prompt_tokens_total", self.prompt_tokens, "Prompt tokens of finished requests"),
-                ("blockspec_generation_tokens_total", self.generation_tokens, "Output tokens of finished requests"),
+                ("blockspec_generation_tokens_total", self.generation_tokens,
+                 "Output tokens of finished requests"),
                 ("blockspec_plain_decode_steps_total", self.plain_steps,
                  "Plain decode steps adaptive speculation took for DFlash requests, finished requests"),
                 ("blockspec_lookup_steps_total", self.lookup_steps,
-                 "Prompt-lookup verify steps of DFlash requests (not in blockspec_accept_length), finished requests"),
+                 "Prompt-lookup verify steps of DFlash requests (not in blockspec_accept_length), "
+                 "finished requests"),
                 ("blockspec_lookup_tokens_total", self.lookup_tokens,
                  "Tokens committed by prompt-lookup steps (bonus included), finished requests"),
             ):

@@ -24,7 +24,8 @@ from blockspec.engine.stats import RequestStats
 from blockspec.errors import RequestError
 from blockspec.sampling_params import SamplingParams
 
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+# OpenAI's default for /v1/completions; chat defaults to the rest of the context
+DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
 class APIError(Exception):
@@ -34,7 +35,8 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
 
 
 @dataclass
@@ -93,7 +95,8 @@ def _stop(body: dict) -> list[str]:
         return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 16:
-        raise _bad("stop", f"'stop' must be a non-empty string or a list of up to 16 non-empty strings, got {stop!r}.")
+        raise _bad("stop", f"'stop' must be a non-empty string or a list of up to 16 non-empty strings, "
+                           f"got {stop!r}.")
     return stops
 
 
@@ -104,7 +107,8 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         raise _bad("best_of", "best_of > 1 is not supported.")
     for name in ("frequency_penalty", "presence_penalty"):
         if body.get(name) not in (None, 0, 0.0):
-            raise _bad(name, f"{name} is not supported (it would change the target distribution); omit it or send 0.")
+            raise _bad(name, f"{name} is not supported (it would change the target distribution); "
+                             f"omit it or send 0.")
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
         raise _bad("logprobs", "logprobs are not supported by this server.")
     if body.get("logit_bias"):
@@ -129,11 +133,14 @@ def _content(message: dict, index: int) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad(f"messages[{index}].content", "only text content parts ({'type': 'text', 'text': ...}) are supported.")
+            if (not isinstance(part, dict) or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)):
+                raise _bad(f"messages[{index}].content",
+                           "only text content parts ({'type': 'text', 'text': ...}) are supported.")
             parts.append(part["text"])
         return "".join(parts)
-    raise _bad(f"messages[{index}].content", f"message content must be a string or a list of text parts, got {content!r}.")
+    raise _bad(f"messages[{index}].content",
+               f"message content must be a string or a list of text parts, got {content!r}.")
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -143,7 +150,8 @@ def chat_messages(body: dict) -> list[dict]:
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise _bad(f"messages[{i}]", f"messages[{i}] must be an object with a string 'role', got {message!r}.")
+            raise _bad(f"messages[{i}]",
+                       f"messages[{i}] must be an object with a string 'role', got {message!r}.")
         out.append({"role": message["role"], "content": _content(message, i)})
     return out
 
@@ -158,7 +166,8 @@ def completion_prompt(body: dict) -> str | list[int]:
         return prompt
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise _bad("prompt", "only one prompt per request is supported; send several requests concurrently.")
-    raise _bad("prompt", f"'prompt' must be a non-empty string or a non-empty list of token ids, got {prompt!r:.80}.")
+    raise _bad("prompt", f"'prompt' must be a non-empty string or a non-empty list of token ids, "
+                         f"got {prompt!r:.80}.")
 
 
 def parse_request(body: Any, chat: bool) -> ParsedRequest:
@@ -183,13 +192,15 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
         raise _bad("stop_token_ids", f"'stop_token_ids' must be a list of token ids, got {stop_ids!r}.")
     params = dict(
-        temperature=_number(body, "temperature", 1.0, 0.0, 1e6), top_p=_number(body, "top_p", 1.0, 0.0, 1.0, True),
+        temperature=_number(body, "temperature", 1.0, 0.0, 1e6),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, True),
         top_k=top_k, seed=seed, stop_token_ids=stop_ids, ignore_eos=_bool(body, "ignore_eos", False),
     )
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
-        raise _bad("stream_options", "'stream_options' must be an object and is only allowed with stream=true.")
+        raise _bad("stream_options",
+                   "'stream_options' must be an object and is only allowed with stream=true.")
     include_usage = _bool(options or {}, "include_usage", False)
     return ParsedRequest(prompt, max_tokens, params, _stop(body), stream, include_usage)
 
@@ -214,10 +225,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def choice(chat: bool, text: str, finish_reason: str | None, stream: bool) -> dict:
     if not chat:
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    key, value = ("delta", {"content": text} if text else {}) if stream else ("message", {"role": "assistant", "content": text})
+    key, value = (("delta", {"content": text} if text else {}) if stream
+                  else ("message", {"role": "assistant", "content": text}))
     return {"index": 0, key: value, "logprobs": None, "finish_reason": finish_reason}
 
 
-def envelope(chat: bool, stream: bool, rid: str, created: int, model: str, choices: list[dict], **extra: Any) -> dict:
+def envelope(chat: bool, stream: bool, rid: str, created: int, model: str, choices: list[dict],
+             **extra: Any) -> dict:
     kind = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
     return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices, **extra}

@@ -15,24 +15,27 @@ def _layer_ids(values: list[str]) -> tuple[int, ...]:
     try:
         return tuple(int(v) for item in values for v in item.split(",") if v.strip())
     except ValueError as exc:
-        raise BlockspecError(f"--target-layer-ids {' '.join(values)!r}: expected integers, e.g. 1 8 14 20 27.") from exc
+        raise BlockspecError(f"--target-layer-ids {' '.join(values)!r}: expected integers, "
+                             f"e.g. 1 8 14 20 27.") from exc
 
 
 def register(sub) -> None:
     p = sub.add_parser(
         "train-draft", help="train a DFlash draft for a target (resumable, z-lab checkpoint format)",
-        description="Train a DFlash block-diffusion draft: frozen target, shared embedding/LM head, random anchors, "
-                    "block-bidirectional masks, position-decayed cross-entropy.")
+        description="Train a DFlash block-diffusion draft: frozen target, shared embedding/LM head, "
+                    "random anchors, block-bidirectional masks, position-decayed cross-entropy.")
     a = p.add_argument
     a("--target", "--model-path", dest="target", default="default",
       help="HF target folder, or 'default' for the embedded SmolLM2-135M-Instruct")
-    a("--output", required=True, help="draft folder to write (config.json, model.safetensors, MODEL_CARD.md, "
-                                       "checkpoint/)")
+    a("--output", required=True,
+      help="draft folder to write (config.json, model.safetensors, MODEL_CARD.md, checkpoint/)")
     a("--num-draft-layers", type=int, default=1)
     a("--block-size", type=int, default=16)
-    a("--target-layer-ids", nargs="+", default=None, help="target layers to tap (default: 5 spread over 1..L-3)")
+    a("--target-layer-ids", nargs="+", default=None,
+      help="target layers to tap (default: 5 spread over 1..L-3)")
     a("--num-target-features", type=int, default=5, help="how many target layers to tap by default")
-    a("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask token or a spare special token")
+    a("--mask-token-id", type=int, default=None,
+      help="default: the tokenizer's mask token or a spare special token")
     a("--mask-token", default=None)
     a("--data", default="stdlib", help="comma list: stdlib, pydoc, responses:N, PATH.jsonl")
     a("--tokens", type=int, default=None, help="cap on training-data tokens, shared evenly by the sources "
@@ -48,12 +51,14 @@ def register(sub) -> None:
     a("--anchors-per-seq", type=int, default=32)
     a("--loss-gamma", type=float, default=None, help="position decay (default 7/5/4 for block 16/10/8)")
     a("--distill", type=float, default=0.0, metavar="ALPHA",
-      help="soft labels: loss = (1-ALPHA)*CE + ALPHA*KL(target || draft), the target's distribution computed "
-      "from the deepest tapped layer's cached features through its remaining layers (default 0: hard labels)")
+      help="soft labels: loss = (1-ALPHA)*CE + ALPHA*KL(target || draft), the target's distribution "
+      "computed from the deepest tapped layer's cached features through its remaining layers "
+      "(default 0: hard labels)")
     a("--init", default="target", help="target (draft layers start as the target's top layers), random, "
       "or a draft folder to continue from (same shape)")
     a("--train-vocab", type=int, default=None, metavar="N",
-      help="training softmax over the N most frequent label tokens (a CPU speed-up; default: the full vocabulary)")
+      help="training softmax over the N most frequent label tokens (a CPU speed-up; "
+      "default: the full vocabulary)")
     a("--train-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
       help="autocast dtype for the draft's training forward (auto: bfloat16 on CUDA and on CPUs with "
       "bf16 matrix units, else float32)")
@@ -77,7 +82,8 @@ def register(sub) -> None:
     a("--time-budget", type=float, default=None, metavar="SECONDS",
       help="fit the schedule to this much training time, measured over the first steps (--steps, if given, "
       "stays the cap); a resumed run keeps its schedule and stops with a checkpoint when the time is spent")
-    a("--stop-after-steps", type=int, default=None, help="stop with a checkpoint after N steps (then --resume)")
+    a("--stop-after-steps", type=int, default=None,
+      help="stop with a checkpoint after N steps (then --resume)")
     a("--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's choice)")
     a("--json", action="store_true", help="print a JSON summary on stdout")
     p.set_defaults(func=run_train)

@@ -22,8 +22,8 @@ SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": t
 MASK_CANDIDATES = ("<|mask|>", "<mask>", "[MASK]", "<|MASK|>", "<empty_output>")
 # Fields that may change between a run and its --resume (they do not affect the trained weights).
 FINAL_NORM_SCALE = 0.3
-RESUMABLE_CHANGES = {"output", "resume", "save_every", "eval_every", "stop_after_steps", "device", "cache_dir",
-                     "command", "extract_batch_size", "gen_batch_size", "time_budget"}
+RESUMABLE_CHANGES = {"output", "resume", "save_every", "eval_every", "stop_after_steps", "device",
+                     "cache_dir", "command", "extract_batch_size", "gen_batch_size", "time_budget"}
 FEATURES = ("auto", "disk", "online")
 
 
@@ -33,7 +33,8 @@ class TrainConfig:
     target: str = "default"  # an HF folder, or "default" for the embedded SmolLM2-135M-Instruct
     num_draft_layers: int = 1
     block_size: int = 16
-    target_layer_ids: tuple[int, ...] | None = None  # default: default_target_layer_ids(L, num_target_features)
+    # default: default_target_layer_ids(L, num_target_features)
+    target_layer_ids: tuple[int, ...] | None = None
     num_target_features: int = 5
     mask_token_id: int | None = None
     mask_token: str | None = None
@@ -51,10 +52,12 @@ class TrainConfig:
     loss_gamma: float | None = None
     distill: float = 0.0  # weight of KL(target || draft) against the hard-label CE (0: labels only)
     train_vocab: int | None = None  # training softmax over the N most frequent label tokens (None: all)
-    init: str = "target"  # "target": draft layers start as the target's top layers; "random"; or a draft folder
+    # "target": draft layers start as the target's top layers; "random"; or a draft folder
+    init: str = "target"
     device: str = "auto"
     dtype: str = "auto"  # target dtype for feature extraction / response generation
-    train_dtype: str = "auto"  # autocast dtype of the draft's forward ("auto": bf16 where bf16 matmuls are fast)
+    # autocast dtype of the draft's forward ("auto": bf16 where bf16 matmuls are fast)
+    train_dtype: str = "auto"
     save_dtype: str = "float16"
     seed: int = 0
     resume: bool = False
@@ -66,8 +69,10 @@ class TrainConfig:
     gen_batch_size: int = 8
     extract_batch_size: int = 4
     cache_dir: Path | None = None
-    stop_after_steps: int | None = None  # stop early (checkpoint saved) after this many steps in this invocation
-    features: str = "auto"  # "disk": extract once, cache, reuse; "online": run the target per batch; auto: by device
+    # stop early (checkpoint saved) after this many steps in this invocation
+    stop_after_steps: int | None = None
+    # "disk": extract once, cache, reuse; "online": run the target per batch; auto: by device
+    features: str = "auto"
     time_budget: float | None = None  # seconds of training: the schedule's length is fitted to it
     command: str = ""
 
@@ -83,36 +88,45 @@ class TrainConfig:
             if value is None and name in optional:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise BlockspecError(f"train-draft: --{name.replace('_', '-')}={value!r} must be an integer >= 1.")
+                raise BlockspecError(f"train-draft: --{name.replace('_', '-')}={value!r} "
+                                     f"must be an integer >= 1.")
         if self.block_size < 2:
-            raise BlockspecError(f"train-draft: --block-size={self.block_size} must be >= 2 (anchor + >= 1 prediction).")
+            raise BlockspecError(f"train-draft: --block-size={self.block_size} must be >= 2 "
+                                 f"(anchor + >= 1 prediction).")
         if self.seq_len < 32:
             raise BlockspecError(f"train-draft: --seq-len={self.seq_len} must be >= 32.")
         for name, low, high in (("lr", 0.0, 1.0), ("epochs", 0.0, math.inf), ("grad_clip", 0.0, math.inf)):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not low < value < high:
-                raise BlockspecError(f"train-draft: --{name.replace('_', '-')}={value!r} must be in ({low}, {high}).")
+                raise BlockspecError(f"train-draft: --{name.replace('_', '-')}={value!r} "
+                                     f"must be in ({low}, {high}).")
         if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.weight_decay < 1.0:
             raise BlockspecError(f"train-draft: --warmup-ratio={self.warmup_ratio} and --weight-decay="
                                  f"{self.weight_decay} must be in [0, 1).")
-        if isinstance(self.distill, bool) or not isinstance(self.distill, (int, float)) or not 0 <= self.distill <= 1:
-            raise BlockspecError(f"train-draft: --distill={self.distill!r} must be in [0, 1] (the KL term's share "
-                                 f"of the loss; 0 trains on hard labels only).")
+        if (isinstance(self.distill, bool) or not isinstance(self.distill, (int, float)) or
+                not 0 <= self.distill <= 1):
+            raise BlockspecError(f"train-draft: --distill={self.distill!r} must be in [0, 1] "
+                                 f"(the KL term's share of the loss; 0 trains on hard labels only).")
         if self.loss_gamma is not None and not self.loss_gamma > 0:
             raise BlockspecError(f"train-draft: --loss-gamma={self.loss_gamma} must be > 0.")
-        if self.init not in ("target", "random") and not (Path(self.init).expanduser() / "config.json").is_file():
-            raise BlockspecError(f"train-draft: --init={self.init!r}: use 'target', 'random', or a draft folder "
-                                 f"(config.json + model.safetensors) to continue training from.")
+        if (self.init not in ("target", "random") and
+                not (Path(self.init).expanduser() / "config.json").is_file()):
+            raise BlockspecError(f"train-draft: --init={self.init!r}: use 'target', 'random', or a draft "
+                                 f"folder (config.json + model.safetensors) to continue training from.")
         if self.features not in FEATURES:
-            raise BlockspecError(f"train-draft: --features={self.features!r}; use one of {', '.join(FEATURES)}.")
+            raise BlockspecError(f"train-draft: --features={self.features!r}; "
+                                 f"use one of {', '.join(FEATURES)}.")
         if self.time_budget is not None and (isinstance(self.time_budget, bool) or
                                              not isinstance(self.time_budget, (int, float)) or
                                              not 0 < self.time_budget < math.inf):
-            raise BlockspecError(f"train-draft: --time-budget={self.time_budget!r} must be a number of seconds > 0.")
+            raise BlockspecError(f"train-draft: --time-budget={self.time_budget!r} "
+                                 f"must be a number of seconds > 0.")
         if self.train_dtype not in ("auto", "float32", "bfloat16"):
-            raise BlockspecError(f"train-draft: --train-dtype={self.train_dtype!r}; use auto, float32 or bfloat16.")
+            raise BlockspecError(f"train-draft: --train-dtype={self.train_dtype!r}; "
+                                 f"use auto, float32 or bfloat16.")
         if self.save_dtype not in SAVE_DTYPES:
-            raise BlockspecError(f"train-draft: --save-dtype={self.save_dtype!r}; use one of {sorted(SAVE_DTYPES)}.")
+            raise BlockspecError(f"train-draft: --save-dtype={self.save_dtype!r}; "
+                                 f"use one of {sorted(SAVE_DTYPES)}.")
         if self.target_layer_ids is not None:
             self.target_layer_ids = tuple(self.target_layer_ids)
 
@@ -183,7 +197,8 @@ def init_draft(draft: DFlashDraft, target: CausalLM, how: str, generator: torch.
         return
     n, big_l, h = len(draft.layers), len(target.layers), draft.config.hidden_size
     if target.layers[0].input_layernorm.folded:
-        raise ValueError("init 'target' needs the checkpoint's layers: load the target without fold_norm_weights()")
+        raise ValueError("init 'target' needs the checkpoint's layers: "
+                         "load the target without fold_norm_weights()")
     for i, layer in enumerate(draft.layers):
         src = target.layers[big_l - n + i]
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj",
@@ -198,7 +213,8 @@ def init_draft(draft: DFlashDraft, target: CausalLM, how: str, generator: torch.
     copy_layer(draft.hidden_norm, draft.layers[0].input_layernorm)
 
 
-def load_init_weights(folder: Path, mine: DraftConfig, target: ModelConfig, tokenizer) -> dict[str, torch.Tensor]:
+def load_init_weights(folder: Path, mine: DraftConfig, target: ModelConfig,
+                      tokenizer) -> dict[str, torch.Tensor]:
     """--init FOLDER: the weights of an existing draft of the same shape. The block size may differ (the
     weights do not depend on it: a draft trained at 16 can be tuned for 4), and the draft may grow:
     extra layers are copies of its last layer with o_proj and down_proj zeroed, i.e. identity residual
@@ -210,17 +226,18 @@ def load_init_weights(folder: Path, mine: DraftConfig, target: ModelConfig, toke
         if name == "num_hidden_layers" and mine.num_hidden_layers > theirs.num_hidden_layers:
             continue
         if getattr(mine, name) != getattr(theirs, name):
-            raise BlockspecError(f"train-draft: --init {folder} has {name}={getattr(theirs, name)}, but this run "
-                                 f"trains {name}={getattr(mine, name)}. Match the flags to that draft "
-                                 f"(see its MODEL_CARD.md; it may be grown to more layers, not fewer), or "
-                                 f"start from --init target.")
+            raise BlockspecError(f"train-draft: --init {folder} has {name}={getattr(theirs, name)}, "
+                                 f"but this run trains {name}={getattr(mine, name)}. Match the flags to "
+                                 f"that draft (see its MODEL_CARD.md; it may be grown to more layers, not "
+                                 f"fewer), or start from --init target.")
     weights = old.state_dict()
     last = f"layers.{theirs.num_hidden_layers - 1}."
     for layer in range(theirs.num_hidden_layers, mine.num_hidden_layers):
         for key, value in list(weights.items()):
             if key.startswith(last):
                 zero = key.endswith(("o_proj.weight", "down_proj.weight", "o_proj.bias", "down_proj.bias"))
-                weights[f"layers.{layer}." + key[len(last):]] = torch.zeros_like(value) if zero else value.clone()
+                weights[f"layers.{layer}." + key[len(last):]] = (torch.zeros_like(value) if zero
+                                                                 else value.clone())
     return weights
 
 

@@ -5,7 +5,8 @@ Sources (`--data`, a comma list):
   pydoc        Debian python3.11-doc reStructuredText sources (skipped with a warning if absent)
   responses:N  N greedy responses of the target itself to prompts built offline (train/prompts.py:
                stdlib code tasks, docstring stubs, writing, role-play, explanations, arithmetic,
-               extraction, specific multi-constraint requests), generated with the engine's batched `LLM.generate` and cached on disk
+               extraction, specific multi-constraint requests), generated with the engine's batched
+               `LLM.generate` and cached on disk
   PATH.jsonl   one object per line: {"text": ...} or {"token_ids": [...]}
 Each source has a held-out split (stdlib/pydoc: the json and email modules and their docs;
 responses: prompts from held-out topics and those modules; jsonl: every 50th line) used only for
@@ -58,7 +59,8 @@ class DataSpec:
             elif item.startswith("responses:"):
                 n = item.split(":", 1)[1]
                 if not n.isdigit() or int(n) < 1:
-                    raise BlockspecError(f"--data {item!r}: responses:N needs a positive integer N, e.g. responses:200.")
+                    raise BlockspecError(f"--data {item!r}: responses:N needs a positive integer N, "
+                                         f"e.g. responses:200.")
                 out.append(f"responses:{int(n)}")
             elif item.endswith(".jsonl"):
                 path = Path(item).expanduser().resolve()
@@ -67,8 +69,8 @@ class DataSpec:
                 out.append(str(path))
             else:
                 raise BlockspecError(
-                    f"--data {text!r}: unknown source {item!r}. Use a comma list of: stdlib, pydoc, responses:N, "
-                    f"or a path to a .jsonl file of {{\"text\": ...}} lines.")
+                    f"--data {text!r}: unknown source {item!r}. Use a comma list of: stdlib, pydoc, "
+                    f"responses:N, or a path to a .jsonl file of {{\"text\": ...}} lines.")
         if not out:
             raise BlockspecError("--data is empty; use e.g. --data stdlib,pydoc,responses:200.")
         return cls(tuple(out))
@@ -131,8 +133,9 @@ def _jsonl(path: Path, heldout: bool, tokenizer, seq_len: int) -> Iterator[Train
             try:
                 row = json.loads(line)
                 if "token_ids" not in row and tokenizer is None:
-                    raise BlockspecError(f"{path}:{index + 1}: a \"text\" line needs the target's tokenizer.json, "
-                                         f"which is missing; use \"token_ids\" lines instead.")
+                    raise BlockspecError(f"{path}:{index + 1}: a \"text\" line needs the target's "
+                                         f"tokenizer.json, which is missing; use \"token_ids\" lines "
+                                         f"instead.")
                 ids = row["token_ids"] if "token_ids" in row else tokenizer.encode(row["text"])
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise BlockspecError(f"{path}:{index + 1}: expected an object with \"text\" (a string) or "
@@ -162,7 +165,8 @@ def ensure_responses(
         """Encoded lazily, chunk by chunk, so generation starts at once however many are asked for."""
         out: list[list[int]] = []
         for text in texts:
-            ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+            ids = llm.tokenizer.encode(
+                llm.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
             if len(ids) <= budget and tuple(ids) not in answered:  # some get dropped for length
                 answered.add(tuple(ids))
                 out.append(ids)
@@ -179,9 +183,9 @@ def ensure_responses(
         while len(done) < count:
             chunk = next_prompts(min(count - len(done), chunk_size))
             if not chunk:
-                raise BlockspecError(f"Only {len(done)} of {count} response prompts fit --seq-len {seq_len} with "
-                                     f"--response-tokens {response_tokens}; raise --seq-len or lower "
-                                     f"--response-tokens.")
+                raise BlockspecError(f"Only {len(done)} of {count} response prompts fit "
+                                     f"--seq-len {seq_len} with --response-tokens {response_tokens}; "
+                                     f"raise --seq-len or lower --response-tokens.")
             for out in llm.generate(chunk, params, speculative_algorithm="NONE"):
                 row = {"prompt_ids": out.prompt_token_ids, "output_ids": out.token_ids}
                 f.write(json.dumps(row) + "\n")
@@ -204,8 +208,8 @@ def _read_rows(cache: Path) -> list[dict]:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             if i < len(lines) - 1:
-                raise BlockspecError(f"{cache} line {i + 1} is not JSON: delete the file to generate the responses "
-                                     f"again.") from None
+                raise BlockspecError(f"{cache} line {i + 1} is not JSON: delete the file to generate "
+                                     f"the responses again.") from None
             log.warning("%s: dropping a partial last line (an interrupted run)", cache)
             with cache.open("r+") as f:
                 f.truncate(len("".join(line + "\n" for line in lines[:i]).encode()))

@@ -81,7 +81,8 @@ def target_features(
 def causal_batch(ids: torch.Tensor) -> ForwardBatch:
     """A cache-free causal forward over whole sequences ids [b, t] from position 0 (right padding never
     reaches earlier positions)."""
-    return ForwardBatch.standalone(ids, torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1))
+    return ForwardBatch.standalone(
+        ids, torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1))
 
 
 def greedy_labels(target: CausalLM, hidden: torch.Tensor, logit_rows: int = 128) -> torch.Tensor:
@@ -97,7 +98,8 @@ def leading(items: Iterable[T], length: Callable[[T], int], max_tokens: int | No
     each source stops at the sequence that reaches its share."""
     count, total = 0, 0
     for item in items:
-        if (max_sequences is not None and count >= max_sequences) or (max_tokens is not None and total >= max_tokens):
+        if ((max_sequences is not None and count >= max_sequences)
+                or (max_tokens is not None and total >= max_tokens)):
             return
         count, total = count + 1, total + length(item)
         yield item
@@ -189,7 +191,8 @@ class SequenceStore:
     target (an on-policy response's own next tokens) are filled in; the others are -1, meaning the
     target's argmax, which the trainer computes with the features."""
 
-    def __init__(self, sequences: Iterator[TrainSequence], max_tokens: int | None, max_sequences: int | None) -> None:
+    def __init__(self, sequences: Iterator[TrainSequence], max_tokens: int | None,
+                 max_sequences: int | None) -> None:
         self.sequences = list(leading(sequences, lambda seq: len(seq.ids), max_tokens, max_sequences))
         self._lengths = [len(seq.ids) for seq in self.sequences]
 
@@ -248,7 +251,8 @@ def extract(
             store.append(items)
             done_tokens += sum(len(s.ids) for s in chunk)
     seconds = time.perf_counter() - start_time
-    return {"tokens": done_tokens, "seconds": seconds, "tokens_per_s": done_tokens / seconds if seconds else 0.0}
+    return {"tokens": done_tokens, "seconds": seconds,
+            "tokens_per_s": done_tokens / seconds if seconds else 0.0}
 
 
 class StoreSet:

@@ -11,8 +11,8 @@ from blockspec.train.objective import default_gamma
 
 SOURCE_TEXT = {
     "stdlib": "CPython standard-library source (.py, test directories and held-out modules excluded), "
-              "teacher-forced: labels are the target's argmax next token, kept in a block only while the text "
-              "follows the target's greedy choices",
+              "teacher-forced: labels are the target's argmax next token, kept in a block only while the "
+              "text follows the target's greedy choices",
     "pydoc": "Python 3.11 documentation sources (Debian python3.11-doc .rst.txt), teacher-forced",
 }
 
@@ -21,7 +21,8 @@ def _source(source: str) -> str:
     if source.startswith("responses:"):
         return (f"{source.split(':')[1]} on-policy greedy responses of the target to prompts built offline "
                 f"(blockspec/train/prompts.py: stdlib code tasks and docstring stubs, writing, role-play, "
-                f"explanations, arithmetic, extraction, specific multi-constraint requests); labels are the responses' own next tokens")
+                f"explanations, arithmetic, extraction, specific multi-constraint requests); "
+                f"labels are the responses' own next tokens")
     return SOURCE_TEXT.get(source, f"{source} (JSONL, teacher-forced)")
 
 
@@ -46,13 +47,15 @@ def write_model_card(path: Path, cfg: TrainConfig, draft: DraftConfig, target: P
         "```", f"blockspec generate{'' if cfg.target == 'default' else f' --model-path {target}'} "
         f"--draft-model-path {cfg.output}", "```", "",
         "## Architecture", "",
-        f"- {draft.num_hidden_layers} draft layer(s), hidden {draft.hidden_size}, {draft.num_attention_heads} heads / "
-        f"{draft.num_key_value_heads} KV heads, head_dim {draft.head_dim}, intermediate {draft.intermediate_size}",
+        f"- {draft.num_hidden_layers} draft layer(s), hidden {draft.hidden_size}, "
+        f"{draft.num_attention_heads} heads / {draft.num_key_value_heads} KV heads, "
+        f"head_dim {draft.head_dim}, intermediate {draft.intermediate_size}",
         f"- block size {draft.block_size}; target features from layers {list(draft.target_layer_ids)} "
         f"(HF hidden_states[id + 1]); mask token id {draft.mask_token_id}"
         + (f" (`{draft.mask_token}`)" if draft.mask_token else ""),
         "- shares the target's frozen embedding and LM head; initialised from "
-        + {"target": "the target's top layers", "random": "random weights"}.get(cfg.init, f"the draft `{cfg.init}`"),
+        + {"target": "the target's top layers",
+           "random": "random weights"}.get(cfg.init, f"the draft `{cfg.init}`"),
         "",
         "## Training", "",
         "```", cfg.command or "(called from Python)", "```", "",
@@ -65,20 +68,22 @@ def write_model_card(path: Path, cfg: TrainConfig, draft: DraftConfig, target: P
         f"{cfg.anchors_per_seq} random anchors; AdamW lr {cfg.lr}, cosine schedule, warm-up ratio "
         f"{cfg.warmup_ratio}, grad clip {cfg.grad_clip}; loss decay gamma "
         f"{cfg.loss_gamma or default_gamma(draft.block_size)}"
-        + (f"; soft labels: loss = {1 - cfg.distill:g} x CE + {cfg.distill:g} x KL(target || draft), the target's "
+        + (f"; soft labels: loss = {1 - cfg.distill:g} x CE + "
+           f"{cfg.distill:g} x KL(target || draft), the target's "
            + ("distribution from its own forward pass" if stats.get("features") == "online" else
-              f"distribution computed from the cached features of its layer {max(draft.target_layer_ids)} through "
-              f"its remaining layers") if cfg.distill else ""),
+              f"distribution computed from the cached features of its layer {max(draft.target_layer_ids)} "
+              f"through its remaining layers") if cfg.distill else ""),
         "- target features: " + ("computed by the target for each batch (`--features online`)"
-                                  if stats.get("features") == "online" else "extracted once and cached on disk"),
+                                  if stats.get("features") == "online"
+                                  else "extracted once and cached on disk"),
         f"- machine: {stats.get('machine')}; draft forward in {stats.get('train_dtype')}",
     ]
     if "train_vocab" in stats:
         v = stats["train_vocab"]
         lines.append(f"- training softmax over the {v['size']} most frequent label tokens "
-                     f"({100 * v['label_coverage']:.2f}% of the labels; the rest skipped), saved as the draft's "
-                     f"vocabulary (`draft_vocab`): inference and the held-out tau rank proposals over those "
-                     f"tokens only")
+                     f"({100 * v['label_coverage']:.2f}% of the labels; the rest skipped), "
+                     f"saved as the draft's vocabulary (`draft_vocab`): inference and the held-out tau "
+                     f"rank proposals over those tokens only")
     for key, label in (("extract_train", "feature extraction"), ("train", "training")):
         if key in stats:
             s = stats[key]
@@ -88,9 +93,11 @@ def write_model_card(path: Path, cfg: TrainConfig, draft: DraftConfig, target: P
               f"Estimated tau (mean accepted tokens per verify step, greedy, including the bonus token): "
               f"**{_fmt(last.get('heldout_tau', float('nan')))}** at step {last.get('step', '-')} over "
               f"{last.get('heldout_blocks', 0)} sampled blocks. It counts the leading block slots where the "
-              f"draft's argmax equals the label: exact greedy acceptance on the held-out on-policy responses (used "
-              f"whenever the data has responses); on teacher-forced text only a lower bound (a run stops where the "
-              f"text leaves the target's greedy path). `blockspec bench` measures the real thing.",
+              f"draft's argmax equals the label: exact greedy acceptance on the held-out on-policy "
+              f"responses (used whenever the data has responses); on teacher-forced text only a lower "
+              f"bound (a run stops where the text leaves the target's greedy path). `blockspec bench` "
+              f"measures the real thing.",
               "", "| step | train loss | acc@1 | held-out tau |", "|---|---|---|---|"]
-    lines += [f"| {r['step']} | {_fmt(r['loss'])} | {_fmt(r['acc1'])} | {_fmt(r['heldout_tau'])} |" for r in evals]
+    lines += [f"| {r['step']} | {_fmt(r['loss'])} | {_fmt(r['acc1'])} | {_fmt(r['heldout_tau'])} |"
+              for r in evals]
     path.write_text("\n".join(lines) + "\n")

@@ -77,7 +77,8 @@ class Blocks:
     context_visible: torch.Tensor  # bool [b, n, T]: the context positions each row sees
     own_block: torch.Tensor  # bool [1, n, n]: row i sees row j of the blocks (its own block's)
     valid: torch.Tensor  # bool [b, count] real (non-padding) blocks
-    complete: torch.Tensor  # bool [b, count] real blocks whose B-1 label positions are all inside the sequence
+    # bool [b, count] real blocks whose B-1 label positions are all inside the sequence
+    complete: torch.Tensor
 
     def forward_batch(self) -> ForwardBatch:
         """The draft's training forward over every block at once, the context (target features at
@@ -126,7 +127,8 @@ def build_blocks(
     on_path = torch.ones_like(inside)
     on_path[:, :, 1:] = follows.cumprod(dim=-1).bool()
     present = inside & on_path
-    gathered = labels.gather(1, (label_pos - 1).clamp(max=labels.shape[1] - 1).view(b, -1)).view_as(label_pos)
+    gathered = labels.gather(
+        1, (label_pos - 1).clamp(max=labels.shape[1] - 1).view(b, -1)).view_as(label_pos)
     block_labels = torch.where(present, gathered, torch.full_like(gathered, IGNORE))
     context_visible, own_block = training_mask(anchors, block_size, ids.shape[1])
     return Blocks(
@@ -140,7 +142,8 @@ def build_blocks(
     )
 
 
-def block_logits(hidden: torch.Tensor, lm_head: torch.nn.Module, block_size: int, rows: torch.Tensor) -> torch.Tensor:
+def block_logits(hidden: torch.Tensor, lm_head: torch.nn.Module, block_size: int,
+                 rows: torch.Tensor) -> torch.Tensor:
     """Logits for the selected predicted slots: hidden [b, count*B, H] -> [rows.sum(), V] in the
     autocast dtype (under bf16 autocast, cross_entropy still runs in fp32)."""
     b = hidden.shape[0]
@@ -237,13 +240,14 @@ def cosine_with_warmup(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def steps_in_budget(done: int, elapsed: float, eval_seconds: float, evals: int, eval_every: int, budget: float,
-                    first_step: float = 0.0) -> int:
+def steps_in_budget(done: int, elapsed: float, eval_seconds: float, evals: int, eval_every: int,
+                    budget: float, first_step: float = 0.0) -> int:
     """How many steps in all fit a time budget, from `done` steps having taken `elapsed` seconds, of which
-    `eval_seconds` went to `evals` evaluations: the steps to come, their periodic evaluations and a final one.
-    `first_step`: the first step's seconds, when given, are left out of the rate (on a GPU it carries the
-    one-off kernel and allocator warm-up)."""
+    `eval_seconds` went to `evals` evaluations: the steps to come, their periodic evaluations and a final
+    one. `first_step`: the first step's seconds, when given, are left out of the rate (on a GPU it carries
+    the one-off kernel and allocator warm-up)."""
     eval_cost = eval_seconds / max(1, evals)
-    timed_steps, timed_seconds = (done - 1, elapsed - first_step) if first_step and done > 1 else (done, elapsed)
+    timed_steps, timed_seconds = ((done - 1, elapsed - first_step) if first_step and done > 1
+                                  else (done, elapsed))
     per_step = (timed_seconds - eval_seconds) / timed_steps + eval_cost / eval_every
     return done + max(0, int((budget - elapsed - eval_cost) / per_step))

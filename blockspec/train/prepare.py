@@ -18,7 +18,8 @@ from blockspec.models.loader import load_target
 from blockspec.models.target import CausalLM
 from blockspec.train import data as D
 from blockspec.train.config import TrainConfig
-from blockspec.train.features import FeatureStore, SequenceStore, StoreSet, cache_key, extract, target_identity
+from blockspec.train.features import (FeatureStore, SequenceStore, StoreSet, cache_key, extract,
+                                      target_identity)
 
 CORPORA = ("stdlib", "pydoc")
 
@@ -48,7 +49,8 @@ def prepare_stores(
             # and capped at those rows' sequences, so a larger N extracts only the new rows.
             args = (source, tokenizer, cfg.seq_len, cfg.seed, heldout, rows)
             cap = sum(1 for _ in D.source_sequences(*args)) if source in rows else None
-            fields = dict(target=ident, layer_ids=list(capture), data=["responses" if cap is not None else source],
+            fields = dict(target=ident, layer_ids=list(capture),
+                          data=["responses" if cap is not None else source],
                           seq_len=cfg.seq_len, seed=cfg.seed, dtype=str(tdtype), split=split,
                           response_tokens=cfg.response_tokens)
             if split == "train":
@@ -60,8 +62,8 @@ def prepare_stores(
                 got = {"tokens": 0}
             else:
                 store = FeatureStore(root / "features" / cache_key(**fields), fields)
-                got = extract(store, D.source_sequences(*args), target, capture, *limit, cfg.extract_batch_size,
-                              desc=f"target features ({source}, {split})")
+                got = extract(store, D.source_sequences(*args), target, capture, *limit,
+                              cfg.extract_batch_size, desc=f"target features ({source}, {split})")
             if got["tokens"]:
                 done = stats.setdefault(f"extract_{split}", {"tokens": 0, "seconds": 0.0})
                 done["tokens"] += got["tokens"]
@@ -70,7 +72,8 @@ def prepare_stores(
             count = store.prefix(*limit)
             parts.append((store, count))
             if split == "train":  # --tokens may use only part of a source: the model card says how much
-                stats.setdefault("sources", {})[source] = {"sequences": count, "tokens": store.tokens_of(count)}
+                stats.setdefault("sources", {})[source] = {"sequences": count,
+                                                           "tokens": store.tokens_of(count)}
             if budget is not None:
                 budget -= store.tokens_of(count) if split == "train" else count
         stores[split] = StoreSet(parts)

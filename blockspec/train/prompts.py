@@ -23,7 +23,8 @@ CODE_TASKS = (
 IMPLEMENT_TASKS = (
     "Complete the following Python function:\n```python\n{stub}\n```",
     "Implement this function in Python:\n```python\n{stub}\n```",
-    "Write the body of this Python function so that it does what its docstring says:\n```python\n{stub}\n```",
+    "Write the body of this Python function so that it does what its docstring says:\n"
+    "```python\n{stub}\n```",
 )
 WRITING = (
     "Write a short poem about {t}.", "Write a blog post about {t}.", "Write a persuasive essay on {t}.",
@@ -56,9 +57,10 @@ TOPICS = (
     "the water cycle", "Shakespeare", "vaccines", "mountain climbing", "time management", "DNA",
     "the Renaissance", "social media", "public libraries", "earthquakes", "the printing press", "meditation",
     "rain forests", "inflation", "the Olympic Games", "cryptography", "bread baking", "plate tectonics",
-    "democracy", "the solar system", "learning a new language", "urban planning", "the Industrial Revolution",
-    "nutrition", "artificial intelligence", "dinosaurs", "impressionist painting", "the Great Wall of China",
-    "remote work", "quantum computing", "bicycles", "the Silk Road", "volunteering", "glaciers",
+    "democracy", "the solar system", "learning a new language", "urban planning",
+    "the Industrial Revolution", "nutrition", "artificial intelligence", "dinosaurs",
+    "impressionist painting", "the Great Wall of China", "remote work", "quantum computing", "bicycles",
+    "the Silk Road", "volunteering", "glaciers",
     "the theory of evolution", "minimalism", "space exploration", "board games", "the periodic table",
     "migration of birds", "classical music", "the Cold War", "architecture", "cloud computing",
     "the scientific method", "desert ecosystems", "smartphones", "ancient Greek philosophy", "tea",
@@ -72,27 +74,32 @@ ROLES = (
 )
 ITEMS = ("apples", "books", "marbles", "tickets", "cookies", "pencils", "stamps", "coins")
 # Specific, multi-constraint requests as people write them (the benchmarks' style, none of their text).
-FORMS = ("a cover letter", "a product review", "a restaurant review", "a short news article", "a tweet thread",
-         "a limerick", "a dialogue between two friends", "a recipe", "a three-day itinerary", "a lesson plan",
-         "an FAQ section", "a press release", "a motivational speech", "a letter to the editor", "a short fable")
-AUDIENCES = ("children aged eight", "busy parents", "university students", "retired teachers", "a job interviewer",
-             "first-time travellers", "small business owners", "software developers", "a local newspaper")
+FORMS = ("a cover letter", "a product review", "a restaurant review", "a short news article",
+         "a tweet thread", "a limerick", "a dialogue between two friends", "a recipe",
+         "a three-day itinerary", "a lesson plan", "an FAQ section", "a press release",
+         "a motivational speech", "a letter to the editor", "a short fable")
+AUDIENCES = ("children aged eight", "busy parents", "university students", "retired teachers",
+             "a job interviewer", "first-time travellers", "small business owners", "software developers",
+             "a local newspaper")
 CONSTRAINTS = ("Keep it under 150 words.", "Use exactly three bullet points.", "Give it a catchy title.",
                "Write in a formal tone.", "Make it humorous.", "End with a question to the reader.",
                "Include one concrete example.", "Avoid technical jargon.", "Use a numbered list.",
                "Start every sentence with a different letter.", "Write it in the second person.")
-CODE_GOALS = ("reverses the words in a sentence", "checks whether a string is a palindrome", "merges two sorted lists",
-              "counts the vowels in a text", "returns the n-th Fibonacci number", "finds all primes below n",
-              "parses a CSV line into fields", "computes the median of a list", "flattens a nested list",
-              "removes duplicate items while keeping their order", "converts Roman numerals to integers",
-              "finds the longest common prefix of several strings", "validates an email address",
-              "groups words that are anagrams", "computes the edit distance of two strings")
+CODE_GOALS = ("reverses the words in a sentence", "checks whether a string is a palindrome",
+              "merges two sorted lists", "counts the vowels in a text", "returns the n-th Fibonacci number",
+              "finds all primes below n", "parses a CSV line into fields", "computes the median of a list",
+              "flattens a nested list", "removes duplicate items while keeping their order",
+              "converts Roman numerals to integers", "finds the longest common prefix of several strings",
+              "validates an email address", "groups words that are anagrams",
+              "computes the edit distance of two strings")
 LANGUAGES = ("Python", "Python", "Python", "JavaScript", "C++", "Java", "Rust", "Go", "Bash")
-NAMES = ("Alice", "Bob", "Chen", "Dana", "Emeka", "Farah", "Gustav", "Hana", "Ivan", "Julia", "Kofi", "Leila")
+NAMES = ("Alice", "Bob", "Chen", "Dana", "Emeka", "Farah", "Gustav", "Hana", "Ivan", "Julia", "Kofi",
+         "Leila")
 CITIES = ("Lisbon", "Nairobi", "Osaka", "Denver", "Krakow", "Lima", "Hanoi", "Toronto", "Cairo", "Oslo")
-SITUATIONS = ("a customer complains that an order arrived late", "a new colleague asks for help on the first day",
-              "a storm cancels the plans for the day", "someone asks you to explain your job at a party",
-              "you must give bad news to a friend", "a reporter asks about a mistake you made")
+SITUATIONS = ("a customer complains that an order arrived late",
+              "a new colleague asks for help on the first day", "a storm cancels the plans for the day",
+              "someone asks you to explain your job at a party", "you must give bad news to a friend",
+              "a reporter asks about a mistake you made")
 
 
 def _split(values: tuple[str, ...], heldout: bool) -> list[str]:
@@ -103,11 +110,13 @@ def arithmetic_prompt(rng: random.Random) -> str:
     a, b, c = rng.randint(2, 60), rng.randint(2, 40), rng.randint(2, 9)
     item, kind = rng.choice(ITEMS), rng.randrange(5)
     if kind == 0:
-        return f"Tom has {a} {item}. He buys {b} more and then gives away {c}. How many {item} does he have now?"
+        return (f"Tom has {a} {item}. He buys {b} more and then gives away {c}. "
+                f"How many {item} does he have now?")
     if kind == 1:
         return f"Solve for x: {c}x + {a} = {a + c * b}. Show your steps."
     if kind == 2:
-        return f"A box holds {c} rows of {b} {item}. How many {item} are in {a} boxes? Explain your reasoning."
+        return (f"A box holds {c} rows of {b} {item}. How many {item} are in {a} boxes? "
+                f"Explain your reasoning.")
     if kind == 3:
         return f"What is the sum of all integers from 1 to {a * c}? Explain how you got the answer."
     return f"If a train travels {a * 10} km in {c} hours, what is its average speed? Show the calculation."
@@ -127,26 +136,30 @@ def detailed_prompt(rng: random.Random, topics: list[str], roles: list[str]) -> 
     if kind == 2:
         a, b, c = rng.sample(NAMES, 3)
         trait = rng.choice(("taller", "older", "faster", "richer"))
-        return rng.choice((f"{a} is {trait} than {b}, and {b} is {trait} than {c}. Who is the least {trait[:-2]}? "
-                           f"Explain your reasoning step by step.",
-                           f"{a}, {b} and {c} each own a different pet: a cat, a dog and a parrot. {a} is allergic "
-                           f"to fur and {b} does not own the dog. Who owns which pet?"))
+        return rng.choice((f"{a} is {trait} than {b}, and {b} is {trait} than {c}. "
+                           f"Who is the least {trait[:-2]}? Explain your reasoning step by step.",
+                           f"{a}, {b} and {c} each own a different pet: a cat, a dog and a parrot. "
+                           f"{a} is allergic to fur and {b} does not own the dog. Who owns which pet?"))
     if kind == 3:
         x, y = rng.randint(2, 30), rng.randint(2, 12)
-        return rng.choice((f"A car accelerates from rest at {x} m/s^2 for {y} seconds. How far does it travel?",
+        return rng.choice((f"A car accelerates from rest at {x} m/s^2 for {y} seconds. "
+                           f"How far does it travel?",
                            f"What is the derivative of f(x) = {x}x^3 - {y}x + 7? Show each step.",
-                           f"You invest ${x * 100} at {y}% annual interest, compounded yearly. How much do you have "
-                           f"after 3 years?", f"Find the area of a triangle with base {x} cm and height {y} cm.",
-                           f"A solution contains {x} g of salt in {y * 100} mL of water. What is its concentration "
-                           f"in g/L?"))
+                           f"You invest ${x * 100} at {y}% annual interest, compounded yearly. "
+                           f"How much do you have after 3 years?",
+                           f"Find the area of a triangle with base {x} cm and height {y} cm.",
+                           f"A solution contains {x} g of salt in {y * 100} mL of water. "
+                           f"What is its concentration in g/L?"))
     if kind == 4:
         a, b = rng.sample(NAMES, 2)
         record = (f"On {rng.randint(1, 28)} March, {a} from {rng.choice(CITIES)} met {b} from "
-                  f"{rng.choice(CITIES)} to discuss {t}. They agreed on a budget of ${rng.randint(2, 90)},000 and a "
-                  f"deadline of {rng.randint(1, 28)} June.")
-        return rng.choice((f"Extract every person, city, amount and date from this text as JSON:\n\n{record}",
+                  f"{rng.choice(CITIES)} to discuss {t}. They agreed on a budget of "
+                  f"${rng.randint(2, 90)},000 and a deadline of {rng.randint(1, 28)} June.")
+        return rng.choice((f"Extract every person, city, amount and date from this text as JSON:\n\n"
+                           f"{record}",
                            f"Summarize this note in one sentence, then list its action items:\n\n{record}"))
-    return f"Imagine you are a {rng.choice(roles)} and {rng.choice(SITUATIONS)}. How do you respond, and why?"
+    return (f"Imagine you are a {rng.choice(roles)} and {rng.choice(SITUATIONS)}. "
+            f"How do you respond, and why?")
 
 
 def implement_stubs(files: list[Path], rng: random.Random, want: int) -> list[str]:
@@ -183,13 +196,15 @@ def paragraphs(files: list[Path], rng: random.Random, want: int) -> list[str]:
     out: list[str] = []
     for path in rng.sample(files, min(len(files), want)):
         chunks = [c.strip() for c in path.read_text(encoding="utf-8", errors="replace").split("\n\n")]
-        prose = [c for c in chunks if 80 <= len(c) <= 700 and c[0].isalpha() and "::" not in c and ".." not in c]
+        prose = [c for c in chunks
+                 if 80 <= len(c) <= 700 and c[0].isalpha() and "::" not in c and ".." not in c]
         if prose:
             out.append(rng.choice(prose))
     return out
 
 
-def response_prompts(count: int, heldout: bool, seed: int, stdlib: list[Path], pydoc: list[Path]) -> list[str]:
+def response_prompts(count: int, heldout: bool, seed: int, stdlib: list[Path],
+                     pydoc: list[Path]) -> list[str]:
     """`count` prompts: half specific requests (`detailed_prompt`), half templated tasks, about 40% of them
     code (snippet tasks and docstring stubs), the rest general chat."""
     rng = random.Random(seed + (1 if heldout else 0))

@@ -29,8 +29,8 @@ from blockspec.models.draft import DFlashDraft
 from blockspec.models.loader import save_draft
 from blockspec.models.tokenizer import Tokenizer
 from blockspec.train import data as D
-from blockspec.train.config import (SAVE_DTYPES, TrainConfig, init_draft, load_init_weights, make_draft_config,
-                                    resolve_train_dtype)
+from blockspec.train.config import (SAVE_DTYPES, TrainConfig, init_draft, load_init_weights,
+                                    make_draft_config, resolve_train_dtype)
 from blockspec.train.features import causal_batch, greedy_labels
 from blockspec.train.model_card import write_model_card
 from blockspec.train.objective import (TrainVocab, build_blocks, cosine_with_warmup, dflash_loss,
@@ -38,7 +38,8 @@ from blockspec.train.objective import (TrainVocab, build_blocks, cosine_with_war
 from blockspec.train.prepare import prepare_stores
 
 
-CALIBRATION_STEPS = 20  # --time-budget: steps timed (at most; a linear warm-up over them) before the length is set
+# --time-budget: steps timed (at most; a linear warm-up over them) before the length is set
+CALIBRATION_STEPS = 20
 BUDGET_AIM, BUDGET_OVERRUN = 0.95, 1.1  # fit the run to 95% of the budget; stop with a checkpoint past 110%
 UNBOUNDED_STEPS = 10**9
 
@@ -51,19 +52,21 @@ class Trainer:
         self.online = cfg.features == "online" or (cfg.features == "auto" and self.device.type == "cuda")
         self.stats: dict = {"train_dtype": str(self.train_dtype).removeprefix("torch."),
                             "features": "online" if self.online else "disk"}
-        self.target_path = ensure_default_model() if cfg.target == "default" else Path(cfg.target).expanduser()
+        self.target_path = (ensure_default_model() if cfg.target == "default"
+                            else Path(cfg.target).expanduser())
         self.target_cfg = ModelConfig.from_folder(self.target_path)
         has_tok = (self.target_path / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_folder(self.target_path) if has_tok else None
         self.draft_cfg = make_draft_config(cfg, self.target_cfg, self.tokenizer)
         self.spec = D.DataSpec.parse(cfg.data)
         if self.tokenizer is None and any(not s.endswith(".jsonl") for s in self.spec.sources):
-            raise BlockspecError(f"train-draft: {self.target_path}/tokenizer.json is missing, and --data {cfg.data!r} "
-                                 f"needs it to tokenize text. Add the tokenizer, or pass a .jsonl of token_ids.")
+            raise BlockspecError(f"train-draft: {self.target_path}/tokenizer.json is missing, "
+                                 f"and --data {cfg.data!r} needs it to tokenize text. "
+                                 f"Add the tokenizer, or pass a .jsonl of token_ids.")
         self.state_path = cfg.output / "checkpoint" / "state.pt"
         if self.state_path.is_file() and not cfg.resume:
-            raise BlockspecError(f"{cfg.output} already holds a training checkpoint ({self.state_path}). Pass "
-                                 f"--resume to continue it, or choose another --output.")
+            raise BlockspecError(f"{cfg.output} already holds a training checkpoint ({self.state_path}). "
+                                 f"Pass --resume to continue it, or choose another --output.")
 
     # ---- data -------------------------------------------------------------------------------
     def prepare_data(self) -> None:
@@ -122,7 +125,8 @@ class Trainer:
     @torch.no_grad()
     @torch.autocast("cpu", enabled=False)
     @torch.autocast("cuda", enabled=False)
-    def target_pass(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def target_pass(self, ids: torch.Tensor,
+                    labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """--features online: one causal target forward over the batch in the target's own dtype -> (the
         tapped features as float32, the labels with each -1 replaced by the target's argmax, the final-normed
         hidden states (the distillation teacher)). Right padding never reaches real positions."""
@@ -130,11 +134,13 @@ class Trainer:
         rows = (labels < 0).any(dim=1).nonzero().squeeze(1)  # teacher-forced text (responses carry theirs)
         if rows.numel():
             labels = labels.clone()
-            labels[rows] = torch.where(labels[rows] < 0, greedy_labels(self.target, hidden[rows]), labels[rows])
+            labels[rows] = torch.where(labels[rows] < 0, greedy_labels(self.target, hidden[rows]),
+                                       labels[rows])
         return feats.float(), labels, self.target.norm(hidden)
 
     def attach_draft(self, draft: DFlashDraft) -> None:
-        """The draft to train; it embeds its blocks with the target's frozen embedding (unless it has its own)."""
+        """The draft to train; it embeds its blocks with the target's frozen embedding (unless it has its
+        own)."""
         self.draft = draft
         draft.use_target_embedding(self.target.embed_tokens)
 
@@ -172,7 +178,8 @@ class Trainer:
             positions = torch.arange(t, device=x.device).expand(b, t)
             x, _ = self.target.run_layers(x, ForwardBatch.standalone(None, positions), deepest + 1)
             x = self.target.norm(x)
-        from_pos = blocks.positions.view(b, -1, size)[:, :, :-1].clamp(max=t - 1)  # slot k predicts from a+k-1
+        # slot k predicts from a+k-1
+        from_pos = blocks.positions.view(b, -1, size)[:, :, :-1].clamp(max=t - 1)
         gathered = x.gather(1, from_pos.reshape(b, -1, 1).expand(-1, -1, hidden_size))
         return gathered.view(b, -1, size - 1, hidden_size)
 
@@ -213,13 +220,15 @@ class Trainer:
         diff = [f"--{k.replace('_', '-')}: {old.get(k, default[k])} -> {new[k]}" for k in new
                 if old.get(k, default[k]) != new[k]]
         if diff:
-            raise BlockspecError(f"--resume: the checkpoint in {self.state_path} was trained with other settings "
-                                 f"({'; '.join(diff)}). Rerun with the original settings, or use a new --output.")
+            raise BlockspecError(f"--resume: the checkpoint in {self.state_path} was trained with other "
+                                 f"settings ({'; '.join(diff)}). Rerun with the original settings, "
+                                 f"or use a new --output.")
         self.draft.load_state_dict(state["draft"])
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         self.history = state["history"]
-        self.total_steps, self.warmup = state.get("total_steps", self.total_steps), state.get("warmup", self.warmup)
+        self.total_steps, self.warmup = (state.get("total_steps", self.total_steps),
+                                         state.get("warmup", self.warmup))
         torch.set_rng_state(state["rng"])
         if state["cuda_rng"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
@@ -228,7 +237,8 @@ class Trainer:
     def export(self, step: int) -> None:
         self.draft.vocab = self.vocab.ids.cpu() if self.vocab is not None else None
         save_draft(self.draft, self.cfg.output, SAVE_DTYPES[self.cfg.save_dtype])
-        write_model_card(self.cfg.output / "MODEL_CARD.md", self.cfg, self.draft_cfg, self.target_path, self.spec,
+        write_model_card(self.cfg.output / "MODEL_CARD.md", self.cfg, self.draft_cfg, self.target_path,
+                         self.spec,
                          {**self.stats, "step": step, "total_steps": self.total_steps, "train_sequences":
                           self.num_train, "train_tokens": self.train_tokens, "eval_sequences": self.num_eval,
                           "history": self.history, "machine": f"{platform.machine()} {self.device}, "
@@ -244,8 +254,8 @@ class Trainer:
         if cfg.init in ("target", "random"):
             init_draft(self.draft, self.target, cfg.init, torch.Generator().manual_seed(cfg.seed))
         else:
-            self.draft.load_state_dict(load_init_weights(Path(cfg.init).expanduser(), self.draft_cfg, self.target_cfg,
-                                                         self.tokenizer))
+            self.draft.load_state_dict(load_init_weights(Path(cfg.init).expanduser(), self.draft_cfg,
+                                                         self.target_cfg, self.tokenizer))
         self.freeze_target()
         self.vocab = self.train_vocab() if cfg.train_vocab else None
         self.draft.rotary.ensure(cfg.seq_len + self.draft_cfg.block_size)
@@ -258,14 +268,15 @@ class Trainer:
         self.history: list[dict] = []
         self._perms: dict[int, torch.Tensor] = {}
         step = self.load() if cfg.resume and self.state_path.is_file() else 0
-        # --time-budget: a new run's length is known once its first steps are timed (CALIBRATION_STEPS, or fewer
-        # when they take a tenth of the budget); until then it warms up over those steps.
+        # --time-budget: a new run's length is known once its first steps are timed (CALIBRATION_STEPS, or
+        # fewer when they take a tenth of the budget); until then it warms up over those steps.
         fitting = cfg.time_budget is not None and step == 0
         calibrated = not fitting
         if fitting:
             self.total_steps, self.warmup = cfg.steps or UNBOUNDED_STEPS, CALIBRATION_STEPS
         weights = loss_weights(self.draft_cfg.block_size, cfg.loss_gamma).to(self.device)
-        stop = self.total_steps if cfg.stop_after_steps is None else min(self.total_steps, step + cfg.stop_after_steps)
+        stop = (self.total_steps if cfg.stop_after_steps is None
+                else min(self.total_steps, step + cfg.stop_after_steps))
         ema, seq_tokens, eval_seconds, evals, t0, first = None, 0, 0.0, 0, time.perf_counter(), step
         first_step_seconds = 0.0
         bar = tqdm(total=self.total_steps, initial=step, desc="train-draft", unit="step")
@@ -280,8 +291,8 @@ class Trainer:
                 with self.amp():
                     hidden, blocks, n_tok, teacher = self.forward(batch, cfg.anchors_per_seq, gen,
                                                                   teacher=cfg.distill > 0)
-                    loss, info = dflash_loss(hidden, self.target.lm_head, blocks, weights, self.vocab, teacher,
-                                             cfg.distill)
+                    loss, info = dflash_loss(hidden, self.target.lm_head, blocks, weights, self.vocab,
+                                             teacher, cfg.distill)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
                 self.opt.step()
@@ -299,10 +310,12 @@ class Trainer:
                     t_eval = time.perf_counter()
                     record.update({f"heldout_{k}": v for k, v in self.evaluate().items()})
                     eval_seconds, evals = eval_seconds + time.perf_counter() - t_eval, evals + 1
-                    tqdm.write(f"step {step}: loss {ema:.3f}, held-out tau {record['heldout_tau']:.3f}", file=sys.stderr)
+                    tqdm.write(f"step {step}: loss {ema:.3f}, held-out tau {record['heldout_tau']:.3f}",
+                               file=sys.stderr)
                 self.history.append(record)
                 elapsed = time.perf_counter() - t0
-                # The length is fitted at the calibration step and refined at each evaluation of the first half.
+                # The length is fitted at the calibration step and refined at each evaluation of the first
+                # half.
                 if fitting and (calibrate or (calibrated and evaluated and 2 * step < self.total_steps)):
                     fitted = steps_in_budget(step, elapsed, eval_seconds, evals, cfg.eval_every,
                                              BUDGET_AIM * cfg.time_budget, first_step_seconds)
@@ -314,19 +327,22 @@ class Trainer:
                         tqdm.write(f"--time-budget {cfg.time_budget:g} s: {self.total_steps} steps "
                                    f"({elapsed / step:.3f} s/step so far)", file=sys.stderr)
                 calibrated = calibrated or calibrate
-                if cfg.time_budget is not None and calibrated and elapsed > BUDGET_OVERRUN * cfg.time_budget \
-                        and step < stop:
-                    tqdm.write(f"--time-budget {cfg.time_budget:g} s overrun at step {step} of {self.total_steps}: "
-                               f"saving a checkpoint; continue with --resume", file=sys.stderr)
+                if (cfg.time_budget is not None and calibrated
+                        and elapsed > BUDGET_OVERRUN * cfg.time_budget and step < stop):
+                    tqdm.write(f"--time-budget {cfg.time_budget:g} s overrun at step {step} of "
+                               f"{self.total_steps}: saving a checkpoint; continue with --resume",
+                               file=sys.stderr)
                     stop = step
                 rate = seq_tokens / (time.perf_counter() - t0 - eval_seconds)
                 bar.set_postfix(loss=f"{ema:.3f}", acc1=f"{info['acc1']:.2f}", tok_s=f"{rate:.0f}",
-                                tau=f"{self.last('heldout_tau'):.2f}", lr=f"{self.sched.get_last_lr()[0]:.1e}")
+                                tau=f"{self.last('heldout_tau'):.2f}",
+                                lr=f"{self.sched.get_last_lr()[0]:.1e}")
                 bar.update(1)
                 if step % cfg.save_every == 0 and step < stop:
                     self.save(step)
         except KeyboardInterrupt:
-            tqdm.write(f"interrupted at step {step}: saving a checkpoint; continue with --resume", file=sys.stderr)
+            tqdm.write(f"interrupted at step {step}: saving a checkpoint; continue with --resume",
+                       file=sys.stderr)
         finally:
             bar.close()
             loader.shutdown(cancel_futures=True)
@@ -340,7 +356,8 @@ class Trainer:
     def train_vocab(self) -> TrainVocab:
         store, vocab_size = self.stores["train"], self.target_cfg.vocab_size
         counts = np.zeros(vocab_size, dtype=np.int64)
-        for i in range(self.num_train):  # online, a label the target decides is counted as the text's next token
+        # online, a label the target decides is counted as the text's next token
+        for i in range(self.num_train):
             ids, labels, _, start = store.get(i)
             labels = np.where(labels >= 0, labels, np.append(ids[1:], ids[-1]))
             counts += np.bincount(labels[start:].astype(np.int64), minlength=vocab_size)
