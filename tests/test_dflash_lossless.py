@@ -34,13 +34,18 @@ else:
     DEVICE = torch.device(DEVICE_NAME)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+# A target holding its weights as Q4_1 blocks (CPU only): the block kernel in every pass.
+FAMILIES = ["llama", "qwen3"] + (["llama-q4_1"] if DEVICE.type == "cpu" else [])
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def models(request, tmp_path_factory):
+    family, _, quantization = request.param.partition("-")
     folder = tmp_path_factory.mktemp(request.param)
-    write_tiny_target(folder / "target", request.param)
+    write_tiny_target(folder / "target", family)
     cfg = ModelConfig.from_folder(folder / "target")
     write_tiny_draft(folder / "draft", cfg, block_size=16)
-    target = load_target(folder / "target", torch.float32, DEVICE)
+    target = load_target(folder / "target", torch.float32, DEVICE, quantization or None)
     engines = {}
     for size in BLOCK_SIZES:
         draft = load_draft(folder / "draft", cfg, torch.float32, DEVICE, cli_block_size=size)
@@ -54,7 +59,7 @@ def generate(engine, prompts, params, stops, use_draft):
 
 def use_int8_head(engine, on: bool) -> None:
     head = engine.runner.target.lm_head
-    head.int8 = Int8ArgmaxHead(head.weight) if on else None
+    head.int8 = Int8ArgmaxHead(head.weight) if on and head.quant is None else None
 
 
 prompt_st = st.lists(st.integers(0, 96), min_size=1, max_size=60)
@@ -175,14 +180,14 @@ def max_z(counts: Counter, probs: dict, n: int) -> float:
     return worst
 
 
-def worst_deviation(folder, params, lookup_ngram: int = 0) -> float:
+def worst_deviation(folder, params, lookup_ngram: int = 0, quantization: str | None = None) -> float:
     """Sample tokens 2 and 3 (drafted positions 1 and 2 of a block) 8000 times with DFlash and return
     the largest standardised deviation from the exact target distribution. With `lookup_ngram` the prompt
     holds every token id, so every token has a match and the steps verify prompt-lookup blocks."""
     write_tiny_target(folder / "t", "llama", vocab_size=16, seed=3)
     cfg = ModelConfig.from_folder(folder / "t")
     write_tiny_draft(folder / "d", cfg, block_size=4, mask_token_id=15)
-    target = load_target(folder / "t", torch.float32, DEVICE)
+    target = load_target(folder / "t", torch.float32, DEVICE, quantization)
     draft = load_draft(folder / "d", cfg, torch.float32, DEVICE)
     engine = TinyEngine(target, draft, 4, num_slots=64, max_len=32, lookup=(lookup_ngram, 4))
     prompt = [(7 * i + 3) % 16 for i in range(16)] if lookup_ngram else [3, 1]
@@ -215,6 +220,12 @@ def worst_deviation(folder, params, lookup_ngram: int = 0) -> float:
 def test_sampled_dflash_has_target_distribution(tmp_path, params):
     """Every cell within 5 standard deviations; a 2% absolute bias on a 10% cell is ~6 sd here."""
     assert worst_deviation(tmp_path, params) < 5.0
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="block-quantized weights run on the CPU")
+def test_sampled_dflash_on_a_block_quantized_target_has_its_distribution(tmp_path):
+    """Q8_0 blocks: the target distribution is the quantized model's own, and DFlash keeps it exactly."""
+    assert worst_deviation(tmp_path, dict(temperature=0.9, top_k=6), quantization="q8_0") < 5.0
 
 
 def test_sampled_prompt_lookup_has_target_distribution(tmp_path):

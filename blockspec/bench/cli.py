@@ -57,11 +57,13 @@ def register(sub) -> None:
                    help="seeded subset of N prompts (default: the whole dataset)")
     p.add_argument("--multi-turn", action="store_true",
                    help="also run every later turn, conditioned on the method's own earlier answers")
-    p.add_argument("--baseline", choices=["ar", "hf", "none"], default="ar",
+    p.add_argument("--baseline", choices=["ar", "hf", "llama.cpp", "none"], default="ar",
                    help="ar (default): our plain decoding on the same engine and weights. "
                         "hf: ar AND transformers' own greedy generate() on the same checkpoint, "
                         "hf being the baseline of 'speedup' (speedup_vs_ar is reported too). "
-                        "none: DFlash only (no speedup, no outputs_match)")
+                        "llama.cpp: ar AND llama.cpp (llama-cpp-python, an optional extra) on the embedded "
+                        "model's GGUF, the baseline of 'speedup'. none: DFlash only (no speedup, no "
+                        "outputs_match)")
     p.add_argument("--json", dest="json_path", default=None, metavar="OUT.json",
                    help="write the JSON report here")
     p.add_argument("--plot", default=None, metavar="OUT.png",
@@ -126,12 +128,16 @@ def run_bench_command(args: argparse.Namespace) -> None:
                      "Pass --draft-model-path DIR to measure DFlash.")
 
     methods = []
-    if args.baseline in ("ar", "hf"):
+    if args.baseline != "none":
         methods.append(EngineMethod(llm, "ar", "NONE"))
     if args.baseline == "hf":
         methods.append(HFMethod(llm))
         notes.append("transformers generate is timed on the same checkpoint and dtype with its own defaults "
                      "(SDPA attention, dynamic KV cache).")
+    if args.baseline == "llama.cpp":
+        methods.append(llama_cpp_method(llm, args))
+        notes.append("llama.cpp runs the embedded model's GGUF through llama-cpp-python on the same prompt "
+                     "token ids; its kernels quantize activations to 8 bits, so its greedy tokens may differ.")
     dflash: list[tuple[str, int]] = []
     if has_draft:
         for size in args.sweep_block_sizes or [llm.block_size]:
@@ -154,6 +160,7 @@ def run_bench_command(args: argparse.Namespace) -> None:
         "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
         "model_path": str(llm.model_path), "draft_model_path": llm.draft_model_path,
         "adaptive_speculation": has_draft and llm.config.adaptive_speculation,
+        "quantization": llm.weight_blocks or "none",
         "prompt_lookup_ngram": lookup.lookup_ngram if lookup else None,
         "prompt_lookup_block_size": lookup.lookup_width if lookup else None,
         "notes": notes, "machine": machine_info(llm.device, llm.dtype),
@@ -194,3 +201,19 @@ def _check_writable(path: str, flag: str) -> None:
     if not parent.is_dir():
         raise BlockspecError(f"{flag} {path!r}: folder {str(parent)!r} does not exist; "
                              f"create it or pick another path.")
+
+
+def llama_cpp_method(llm, args: argparse.Namespace):
+    from blockspec.bench.llamacpp import LlamaCppMethod
+    from blockspec.models.default_model import gguf_path
+
+    if args.model_path is not None:
+        raise BlockspecError("--baseline llama.cpp runs the embedded model's GGUF, the file blockspec runs by "
+                             "default; drop --model-path to compare on it.")
+    return LlamaCppMethod(llm, gguf_path(), args.threads or torch_threads())
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()

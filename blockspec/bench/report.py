@@ -31,7 +31,7 @@ from typing import TextIO
 
 import torch
 
-from blockspec.bench.runner import Sample, first_difference
+from blockspec.bench.runner import PEERS, Sample, first_difference
 from blockspec.engine.stats import RequestStats
 
 
@@ -85,7 +85,10 @@ def method_summary(samples: list[Sample], name: str) -> dict:
         "tokens_per_s": round(1 / mean, 3), "tokens_per_s_median": round(1 / median, 3),
         "tpot_ms_mean": round(mean * 1e3, 3), "tpot_ms_median": round(median * 1e3, 3),
         "ttft_s_mean": round(statistics.fmean(s.runs[name].time_to_first_token_s for s in samples), 4),
-        "num_output_tokens": sum(len(s.runs[name].token_ids) for s in samples),
+        "num_output_tokens": (tokens := sum(len(s.runs[name].token_ids) for s in samples)),
+        # prefill included: all output tokens over all time from the request to its last token
+        "end_to_end_tokens_per_s": round(tokens / sum(s.runs[name].time_to_first_token_s
+                                                      + s.runs[name].decode_time_s for s in samples), 3),
     }
 
 
@@ -150,7 +153,7 @@ def dflash_entry(samples: list[Sample], dflash: str | None, block_size: int, bas
         entry.update(accept_stats(samples, dflash, block_size))
         entry["dflash_tokens_per_s"] = method_summary(paired, dflash)["tokens_per_s"]
         entry["dflash_tokens_per_s_median"] = method_summary(paired, dflash)["tokens_per_s_median"]
-        for ref in ("ar", "hf"):
+        for ref in ("ar", *PEERS):
             mean, median = speedups(paired, ref, dflash) if ref in names else (None, None)
             entry[f"speedup_vs_{ref}"], entry[f"speedup_vs_{ref}_median"] = mean, median
         entry["speedup"] = entry.get(f"speedup_vs_{baseline}")
@@ -158,8 +161,9 @@ def dflash_entry(samples: list[Sample], dflash: str | None, block_size: int, bas
         ar = (match_stats(samples, dflash, "ar", greedy) if "ar" in names
               else {"fraction": None, "mismatches": []})
         entry["outputs_match"], entry["mismatches"] = ar["fraction"], ar["mismatches"]
-        if "hf" in names:
-            entry["hf_outputs_match"] = match_stats(samples, dflash, "hf", greedy)["fraction"]
+        for peer in PEERS:  # informational: a peer computes its own numerics
+            if peer in names:
+                entry[f"{peer}_outputs_match"] = match_stats(samples, dflash, peer, greedy)["fraction"]
     entry["per_prompt"] = [_prompt_row(s, dflash, baseline, names) for s in samples]
     return entry
 
@@ -210,8 +214,9 @@ def print_table(report: dict, out: TextIO | None = None) -> None:
         if name.startswith("dflash"):
             continue
         spd, spd_med = ("1.00x", "-") if name == base else ("-", "-")
-        if name == "ar" and base == "hf" and report.get("ar_speedup_vs_hf") is not None:
-            spd, spd_med = f"{report['ar_speedup_vs_hf']:.2f}x", f"{report['ar_speedup_vs_hf_median']:.2f}x"
+        if name == "ar" and base in PEERS and report.get(f"ar_speedup_vs_{base}") is not None:
+            spd = f"{report[f'ar_speedup_vs_{base}']:.2f}x"
+            spd_med = f"{report[f'ar_speedup_vs_{base}_median']:.2f}x"
         print(f"{name + (' (baseline)' if name == base else ''):<14}"
               f"{_fmt(summary['tokens_per_s'], '.2f'):>9}"
               f"{_fmt(summary['tokens_per_s_median'], '.2f'):>11}{_fmt(summary['tpot_ms_mean'], '.1f'):>10}"
@@ -225,9 +230,10 @@ def print_table(report: dict, out: TextIO | None = None) -> None:
               f"{_fmt(s['tpot_ms_median'], '.1f'):>10}{_fmt(row['speedup'], '.2f') + 'x':>9}"
               f"{_fmt(row['speedup_median'], '.2f') + 'x':>9}{_fmt(row['mean_accept_length'], '.2f'):>7}",
               file=out)
-        if row.get("speedup_vs_hf") is not None and base != "hf":
-            print(f"{'':<14}vs transformers generate: {row['speedup_vs_hf']:.2f}x", file=out)
-        if row.get("speedup_vs_ar") is not None and base == "hf":
+        for peer, label in PEERS.items():
+            if row.get(f"speedup_vs_{peer}") is not None and base != peer:
+                print(f"{'':<14}vs {label}: {row[f'speedup_vs_{peer}']:.2f}x", file=out)
+        if row.get("speedup_vs_ar") is not None and base in PEERS:
             print(f"{'':<14}vs our plain decoding: {row['speedup_vs_ar']:.2f}x", file=out)
         hist = " ".join(f"{k}:{f:.2f}" for k, f in enumerate(row["accept_length_histogram"], 1) if f > 0)
         print(f"{'':<14}accept-length histogram {hist}", file=out)
@@ -323,10 +329,11 @@ def build_report(samples: list[Sample], names: list[str], dflash: list[tuple[str
               "baseline_tokens_per_s": summaries[base]["tokens_per_s"] if base else None,
               "baseline_tokens_per_s_median": summaries[base]["tokens_per_s_median"] if base else None,
               "ar_tokens_per_s": summaries["ar"]["tokens_per_s"] if "ar" in names else None,
-              "hf_tokens_per_s": summaries["hf"]["tokens_per_s"] if "hf" in names else None,
               "methods": summaries, "timing": TIMING}
-    if "ar" in names and "hf" in names:  # our plain decoding vs transformers generate
-        report["ar_speedup_vs_hf"], report["ar_speedup_vs_hf_median"] = speedups(paired, "hf", "ar")
+    for peer in PEERS:
+        report[f"{peer}_tokens_per_s"] = summaries[peer]["tokens_per_s"] if peer in names else None
+        if "ar" in names and peer in names:  # our plain decoding vs the peer's
+            report[f"ar_speedup_vs_{peer}"], report[f"ar_speedup_vs_{peer}_median"] = speedups(paired, peer, "ar")
     if len(entries) > 1:
         report["sweep"] = [{k: v for k, v in e.items() if k != "per_prompt"} for e in entries]
         report["notes"] = report["notes"] + [

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from blockspec.llm import LLM
 
 
+PEERS = {"hf": "transformers generate", "llama.cpp": "llama.cpp"}  # other engines `bench` can time
+
+
 @dataclass
 class RunStats:
     """One method on one prompt turn."""
@@ -107,9 +110,12 @@ class HFMethod:
             from transformers import AutoModelForCausalLM, GenerationConfig
         except ImportError as exc:
             raise BlockspecError("--baseline hf needs transformers: pip install transformers.") from exc
+        from blockspec.models.default_model import ensure_default_model
+
         self.llm = llm
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(llm.model_path), dtype=llm.dtype).to(llm.device).eval()
+        # the embedded model's fp32 weights are converted when first needed (blockspec may run its GGUF)
+        folder = llm.model_path if llm.config.model_path else ensure_default_model(weights=True)
+        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=llm.dtype).to(llm.device).eval()
         self.model.generation_config = GenerationConfig()  # no checkpoint defaults leak into the run
         self.stop_ids = sorted(llm.stop_ids)
 

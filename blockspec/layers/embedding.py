@@ -1,4 +1,4 @@
-"""The token embedding and the LM head (its own weight, or the embedding's when tied)."""
+"""The token embedding and the LM head (its own weight, or the embedding's when tied), dense or as blocks."""
 
 from __future__ import annotations
 
@@ -10,30 +10,41 @@ from torch import nn
 
 from blockspec.layers.int8_head import Int8ArgmaxHead
 from blockspec.layers.linear import Linear
+from blockspec.layers.quant import Blocks, QuantType, QuantWeight
 
 
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.quant: QuantWeight | None = None  # the table as GGUF blocks instead (use_blocks)
+
+    def use_blocks(self, qtype: QuantType) -> None:
+        """Hold the table as `qtype` blocks from now on (before loading it); lookups dequantize the rows."""
+        self.quant = QuantWeight(*self.weight.shape, qtype)
+        self.weight = None
 
     def checkpoint_tensors(self, path: str) -> dict[str, torch.Tensor]:
-        return {f"{path}.weight": self.weight}
+        weight = self.weight if self.quant is None else torch.empty(self.quant.shape, device="meta")
+        return {f"{path}.weight": weight}
 
     @torch.no_grad()
-    def load(self, name: str, tensor: torch.Tensor) -> None:
-        self.weight.copy_(tensor)
+    def load(self, name: str, tensor: torch.Tensor | Blocks) -> None:
+        if self.quant is not None:
+            self.quant.load_rows(slice(None), tensor)
+        else:
+            self.weight.copy_(tensor.dequantize() if isinstance(tensor, Blocks) else tensor)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.weight.dtype
+        return torch.float32 if self.quant is not None else self.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.weight.device
+        return torch.device("cpu") if self.quant is not None else self.weight.device
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        return F.embedding(ids, self.weight) if self.quant is None else self.quant.lookup(ids)
 
 
 class LMHead(Linear):
@@ -46,12 +57,22 @@ class LMHead(Linear):
         self.tied = tied_to is not None
         if tied_to is not None:
             self.weight = tied_to.weight  # the embedding owns it; it is not a checkpoint tensor of ours
+            object.__setattr__(self, "tied_to", tied_to)  # not a submodule: the model holds it already
         self.int8: Int8ArgmaxHead | None = None  # the greedy form (choose_greedy_form)
         self.plan: dict[int, str] | None = None
         self._subsets: tuple | None = None  # (int8 form, vocab) it was built for, and the sub-head
 
     def checkpoint_tensors(self, path: str) -> dict[str, torch.Tensor]:
         return {} if self.tied else super().checkpoint_tensors(path)
+
+    def use_blocks(self, qtype: QuantType) -> None:
+        """As `Linear.use_blocks`; a tied head shares the embedding's blocks (switch the embedding first)."""
+        if not self.tied:
+            return super().use_blocks(qtype)
+        if self.tied_to.quant is None:
+            raise ValueError("LMHead.use_blocks: a tied head takes its embedding's blocks: switch the embedding first.")
+        self.quant, self.weight, self.layout = self.tied_to.quant, None, None
+        self._subsets = None
 
     def set_layouts(self, plan: dict[int, str] | None, copies: bool = False) -> None:
         """As `Linear.set_layouts`, but a 100 MB head is never copied: it takes only the forms its stored
@@ -85,6 +106,9 @@ class LMHead(Linear):
     def rows(self, ids: torch.Tensor) -> LMHead:
         """A head over the token ids `ids` only (a copy of those rows, in this head's forms)."""
         sub = LMHead(self.in_features, ids.numel())
+        if self.quant is not None:
+            sub.quant, sub.weight = self.quant.rows(ids), None
+            return sub
         sub.weight = nn.Parameter(self.weight.detach()[ids].contiguous(), requires_grad=False)
         sub.set_layouts(self.plan)
         sub.int8 = None if self.int8 is None else self.int8.rows(ids)
@@ -98,9 +122,9 @@ class LMHead(Linear):
         self.int8 = None
         self._subsets = None
         weight = self.weight
-        cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
-        if not cpu_fp32 or not Int8ArgmaxHead.supports(weight):
-            return
+        if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32 \
+                or not Int8ArgmaxHead.supports(weight):
+            return  # held as blocks, or not a fp32 CPU head
         h = torch.randn(1, weight.shape[1], generator=torch.Generator().manual_seed(0), dtype=weight.dtype)
         costs = []
         for candidate in (None, Int8ArgmaxHead(weight)):

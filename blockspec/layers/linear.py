@@ -1,5 +1,6 @@
-"""`Linear`: the one linear layer. It owns its weight: it loads it from checkpoint tensors (one per fused
-part), scales its inputs when a norm folds into it, and multiplies in the CPU form a tuning pass chose."""
+"""`Linear`: the one linear layer. It owns its weight, dense or as GGUF blocks (`use_blocks`): it loads it
+from checkpoint tensors (one per fused part), scales its inputs when a norm folds into it, and multiplies
+in the CPU form a tuning pass chose."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.layers.layout import Layout
+from blockspec.layers.quant import Blocks, QuantType, QuantWeight
 
 
 class Linear(nn.Module):
@@ -31,20 +33,29 @@ class Linear(nn.Module):
         # verify block or prefill chunk on CPU (decode GEMVs are unaffected).
         self.weight = nn.Parameter(torch.empty(in_features, self.out_features).t())
         self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
+        self.quant: QuantWeight | None = None  # the weight as GGUF blocks instead (use_blocks)
         self.layout: Layout | None = None  # the CPU GEMM forms chosen for inference (set_layouts)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.weight.dtype
+        return torch.float32 if self.quant is not None else self.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.weight.device
+        return torch.device("cpu") if self.quant is not None else self.weight.device
+
+    def use_blocks(self, qtype: QuantType) -> None:
+        """Hold the weight as `qtype` blocks from now on (before loading it): a CPU inference form."""
+        self.quant = QuantWeight(self.out_features, self.in_features, qtype)
+        self.weight = None
+        self.layout = None
 
     # ---- weights ----------------------------------------------------------------------------------
     def checkpoint_tensors(self, path: str) -> dict[str, torch.Tensor]:
-        """This layer's tensors under their checkpoint names (views), `path` being its module path."""
-        leaves = {"weight": self.weight} if self.bias is None else {"weight": self.weight, "bias": self.bias}
+        """This layer's tensors under their checkpoint names (views; shape-only for a block-held weight),
+        `path` being its module path."""
+        weight = self.weight if self.quant is None else torch.empty(self.quant.shape, device="meta")
+        leaves = {"weight": weight} if self.bias is None else {"weight": weight, "bias": self.bias}
         if self.shard_names is None:
             return {f"{path}.{leaf}": t for leaf, t in leaves.items()}
         parent = path.rpartition(".")[0]
@@ -53,18 +64,27 @@ class Linear(nn.Module):
                 for i, name in enumerate(self.shard_names) for leaf, t in leaves.items()}
 
     @torch.no_grad()
-    def load(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy one checkpoint tensor (a name from `checkpoint_tensors`) into its part of this layer."""
+    def load(self, name: str, tensor: torch.Tensor | Blocks) -> None:
+        """Copy one checkpoint tensor (a name from `checkpoint_tensors`; dense, or GGUF blocks) into its
+        part of this layer."""
         owner, leaf = name.rsplit(".", 2)[-2:]
-        target = self.weight if leaf == "weight" else self.bias
-        if self.shard_names is not None:
-            target = target[self.shard_slice(self.shard_names.index(owner))]
-        target.copy_(tensor)
+        rows = slice(None) if self.shard_names is None else self.shard_slice(self.shard_names.index(owner))
+        if leaf == "bias":
+            self.bias[rows].copy_(tensor.dequantize() if isinstance(tensor, Blocks) else tensor)
+        elif self.quant is not None:
+            self.quant.load_rows(rows, tensor)
+        else:
+            self.weight[rows].copy_(tensor.dequantize() if isinstance(tensor, Blocks) else tensor)
         self.layout = None  # copies of the old weight are stale
 
     def shard_slice(self, index: int) -> slice:
         start = sum(self.shards[:index])
         return slice(start, start + self.shards[index])
+
+    @property
+    def foldable(self) -> bool:
+        """Whether a norm's weight can be folded into this layer's inputs (not into blocks: not exact)."""
+        return self.quant is None
 
     @torch.no_grad()
     def scale_inputs(self, scale: torch.Tensor) -> None:
@@ -76,10 +96,14 @@ class Linear(nn.Module):
         """Multiply in the CPU forms of `plan` (see `Layout`) from now on; None or {}: the stored weight.
         Forms apply to inference only: with grad enabled the layer multiplies by its stored weight (the
         copies are detached, and MKL's packed op has no backward)."""
-        self.layout = Layout.build(self.weight, self.bias, plan, copies, self.layout)
+        if self.quant is None:
+            self.layout = Layout.build(self.weight, self.bias, plan, copies, self.layout)
 
     # ---- compute ----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            out = self.quant.matmul(x)
+            return out if self.bias is None else out + self.bias
         if self.layout is not None and not torch.is_grad_enabled():
             return self.layout(x)
         return F.linear(x, self.weight, self.bias)
@@ -88,4 +112,7 @@ class Linear(nn.Module):
         """Only the outputs of fused parts `first`.. (e.g. k and v of a fused qkv), in the stored form."""
         start = sum(self.shards[:first])
         bias = None if self.bias is None else self.bias[start:]
+        if self.quant is not None:
+            out = self.quant.row_range(start).matmul(x)
+            return out if bias is None else out + bias
         return F.linear(x, self.weight[start:], bias)

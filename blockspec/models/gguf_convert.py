@@ -52,14 +52,14 @@ def _f32_repr(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _unpermute(weight: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute(weight: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's q/k row order: it interleaves the two rotary halves of each head."""
     rows, cols = weight.shape
     half = rows // n_head // 2
     return np.ascontiguousarray(weight.reshape(n_head, half, 2, cols).swapaxes(1, 2).reshape(rows, cols))
 
 
-def _hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str) -> str:
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     parts = gguf_name.split(".")
@@ -109,8 +109,9 @@ def read_config(reader: Any) -> dict[str, Any]:
     }
 
 
-def convert_gguf(source: Path, out_dir: Path) -> None:
-    """Write the HF folder for `source` into `out_dir` (which must exist)."""
+def convert_gguf(source: Path, out_dir: Path, weights: bool = True) -> None:
+    """Write the HF folder for `source` into `out_dir` (which must exist); without `weights` only its config,
+    tokenizer and generation config (a model that runs the GGUF's own blocks needs no fp32 copy)."""
     import gguf
     from safetensors.numpy import save_file
     from tqdm import tqdm
@@ -127,15 +128,16 @@ def convert_gguf(source: Path, out_dir: Path) -> None:
                              f"which this converter does not handle.")
 
     tensors: dict[str, np.ndarray] = {}
-    for tensor in tqdm(reader.tensors, desc=f"Converting {source.name}", unit="tensor", file=sys.stderr):
+    for tensor in tqdm(reader.tensors if weights else [], desc=f"Converting {source.name}", unit="tensor", file=sys.stderr):
         weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         if ".attn_q." in tensor.name:
-            weight = _unpermute(weight, heads)
+            weight = unpermute(weight, heads)
         elif ".attn_k." in tensor.name:
-            weight = _unpermute(weight, kv_heads)
-        tensors[_hf_name(tensor.name)] = np.ascontiguousarray(weight)
-    _check_shapes(tensors, config)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+            weight = unpermute(weight, kv_heads)
+        tensors[hf_name(tensor.name)] = np.ascontiguousarray(weight)
+    if weights:
+        _check_shapes(tensors, config)
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     eos_ids = write_tokenizer_files(reader, out_dir)

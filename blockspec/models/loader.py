@@ -19,10 +19,14 @@ from safetensors.torch import save_file
 from torch import nn
 
 from blockspec.errors import ModelLoadError
+from blockspec.layers.embedding import Embedding
+from blockspec.layers.linear import Linear
+from blockspec.layers.quant import QuantType, quant_type
 from blockspec.models.config import ModelConfig, read_config_json
 from blockspec.models.draft import DFlashDraft
 from blockspec.models.draft_config import DRAFT_VOCAB, resolve_draft_config
 from blockspec.models.draft_tensors import check_draft_tensors, check_draft_vocab
+from blockspec.models.gguf_checkpoint import GGUFCheckpoint
 from blockspec.models.target import CausalLM
 
 @contextlib.contextmanager
@@ -102,38 +106,84 @@ def copy_layer(dst: nn.Module, src: nn.Module, scale: float | torch.Tensor = 1.0
             dst.load(name, tensor * scale)
 
 
-def load_into(model: nn.Module, folder: Path, names: dict[str, tuple[nn.Module, str, torch.Tensor]]) -> None:
+class SafetensorsCheckpoint:
+    """The tensors of a checkpoint folder's safetensors files, read when asked for."""
+
+    def __init__(self, folder: Path) -> None:
+        self.source, self.index = folder, checkpoint_index(folder)
+        self._handles: dict[Path, object] = {}
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        return self.index[name][1] if name in self.index else None
+
+    def stored_type(self, name: str) -> QuantType | None:
+        return None  # dense
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self.index[name][0]
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt")
+        return self._handles[file].get_tensor(name)
+
+
+def load_into(model: nn.Module, checkpoint, names: dict[str, tuple[nn.Module, str, torch.Tensor]]) -> None:
     """Check every expected tensor's presence and shape in the checkpoint, then let each layer load its
     own."""
-    index = checkpoint_index(folder)
     for name, (_, _, tensor) in names.items():
-        if name not in index:
+        shape = checkpoint.shape(name)
+        if shape is None:
             raise ModelLoadError(
-                f"Tensor {name!r} is missing from the checkpoint in {folder}. The checkpoint does not match "
-                f"its config.json (wrong architecture or an incomplete download)."
+                f"Tensor {name!r} is missing from the checkpoint in {checkpoint.source}. The checkpoint does not "
+                f"match its config.json (wrong architecture or an incomplete download)."
             )
-        file, shape = index[name]
         if shape != tuple(tensor.shape):
             raise ModelLoadError(
-                f"Tensor {name!r} in {file} has shape {list(shape)}, but config.json implies "
+                f"Tensor {name!r} in {checkpoint.source} has shape {list(shape)}, but config.json implies "
                 f"{list(tensor.shape)}. The weights and config.json come from different models."
             )
-    handles: dict[Path, object] = {}
     for name, (layer, own_name, _) in names.items():
-        file = index[name][0]
-        if file not in handles:
-            handles[file] = safe_open(str(file), framework="pt")
-        layer.load(own_name, handles[file].get_tensor(name))
+        layer.load(own_name, checkpoint.get(name))
 
 
-def load_target(folder: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def hold_as_blocks(names: dict[str, tuple[nn.Module, str, torch.Tensor]], checkpoint, quantization: str) -> None:
+    """Switch the embedding and every Linear to block storage before loading: of the type `quantization`
+    names, or with "stored", of the type the checkpoint stores each in (float tensors stay dense)."""
+    owned: dict[nn.Module, list[str]] = {}
+    for name, (layer, _, _) in names.items():
+        if isinstance(layer, (Linear, Embedding)) and name.endswith(".weight"):
+            owned.setdefault(layer, []).append(name)
+    for layer, weights in owned.items():
+        if quantization != "stored":
+            layer.use_blocks(quant_type(quantization))
+            continue
+        stored = {checkpoint.stored_type(name) for name in weights}
+        if len(stored) > 1:
+            kinds = ", ".join(f"{n}: {t.name if t else 'float'}" for n, t in
+                              ((n, checkpoint.stored_type(n)) for n in weights))
+            raise ModelLoadError(f"{checkpoint.source}: the parts of one fused layer are stored in different "
+                                 f"types ({kinds}); pass --quantization q8_0 (or none) to load them in one.")
+        qtype = stored.pop()
+        if qtype is not None:
+            layer.use_blocks(qtype)
+
+
+def load_target(folder: str | Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None,
+                gguf: Path | None = None) -> CausalLM:
+    """The target of a checkpoint folder (config.json, and its weights unless `gguf` gives them). quantization:
+    None for dense weights in `dtype`; a block type (q8_0, q4_0, q4_1) to hold every Linear and the embedding
+    in it (CPU, fp32 activations); "stored" to keep a GGUF's own blocks."""
     folder = Path(folder)
     cfg = ModelConfig.from_folder(folder)
     with default_dtype(dtype):
         model = CausalLM(cfg)
+    checkpoint = GGUFCheckpoint(gguf) if gguf is not None else SafetensorsCheckpoint(folder)
     # HF names: the decoder under "model.", the head beside it
     names = {(n if n.startswith("lm_head.") else f"model.{n}"): v for n, v in model_tensors(model).items()}
-    load_into(model, folder, names)
+    if quantization is not None:
+        hold_as_blocks(names, checkpoint, quantization)
+        if model.lm_head.tied and model.embed_tokens.quant is not None:
+            model.lm_head.use_blocks(model.embed_tokens.quant.qtype)
+    load_into(model, checkpoint, names)
     return model.to(device).eval()
 
 
@@ -168,12 +218,13 @@ def load_draft(
         raw, target=target, source=str(config_path), cli_block_size=cli_block_size,
         cli_mask_token=cli_mask_token, cli_mask_token_id=cli_mask_token_id, token_to_id=token_to_id,
     )
-    index = checkpoint_index(folder)
+    checkpoint = SafetensorsCheckpoint(folder)
+    index = checkpoint.index
     check_draft_tensors(cfg, {name: shape for name, (_, shape) in index.items()}, str(folder))
     embed_rows = index["embed_tokens.weight"][1][0] if cfg.has_embed_tokens else None
     with default_dtype(dtype):
         draft = DFlashDraft(cfg, embed_rows)
-    load_into(draft, folder, model_tensors(draft))
+    load_into(draft, checkpoint, model_tensors(draft))
     if DRAFT_VOCAB in index:
         with safe_open(str(index[DRAFT_VOCAB][0]), framework="pt") as f:
             draft.vocab = check_draft_vocab(f.get_tensor(DRAFT_VOCAB), target.vocab_size, str(folder))
