@@ -1,8 +1,8 @@
 """Builds blockspec's C++ CPU kernels (blockspec._kernels) against the installed torch.
 
 Install with the project's Makefile, or by hand with torch==2.13.0 installed first and
-`pip install --no-build-isolation -e .`: in an isolated build pip would resolve its own torch (a CUDA build of
-several GB) to compile against."""
+`pip install --no-build-isolation -e .`: in an isolated build pip would resolve its own torch (a CUDA build
+of several GB) to compile against."""
 
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension

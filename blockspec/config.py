@@ -36,8 +36,8 @@ class EngineConfig:
     mask_token: str | None = None
     device: str | torch.device | None = "auto"  # resolved to a torch.device
     dtype: str | torch.dtype | None = "auto"  # resolved to a torch.dtype (auto: fp32 on CPU, bf16 on CUDA)
-    # The target's weights on the CPU: GGUF blocks (a type, or auto: the embedded model's own blocks) with fp32
-    # activations, or none: dense in `dtype` (see `weight_blocks`).
+    # The target's weights on the CPU: GGUF blocks (a type, or auto: the embedded model's own blocks) with
+    # fp32 activations, or none: dense in `dtype` (see `weight_blocks`).
     quantization: str = "auto"
     seed: int | None = None  # torch's global seed (requests carry their own)
     max_model_len: int | None = None  # context length; None: min(max_position_embeddings, 4096)
@@ -63,12 +63,13 @@ class EngineConfig:
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
         if self.quantization not in QUANTIZATIONS:
-            raise BlockspecError(f"quantization={self.quantization!r} (--quantization) is not supported; use "
-                                 f"one of {', '.join(QUANTIZATIONS)}.")
-        if self.quantization not in ("auto", "none") and (device.type != "cpu" or self.dtype != torch.float32):
-            raise BlockspecError(f"--quantization {self.quantization}: block-quantized weights run on the CPU with "
-                                 f"float32 activations, not on {device} in {self.dtype}. Use --device cpu "
-                                 f"--dtype float32, or --quantization none.")
+            raise BlockspecError(f"quantization={self.quantization!r} (--quantization) is not supported; "
+                                 f"use one of {', '.join(QUANTIZATIONS)}.")
+        if (self.quantization not in ("auto", "none")
+                and (device.type != "cpu" or self.dtype != torch.float32)):
+            raise BlockspecError(f"--quantization {self.quantization}: block-quantized weights run on the "
+                                 f"CPU with float32 activations, not on {device} in {self.dtype}. "
+                                 f"Use --device cpu --dtype float32, or --quantization none.")
         if not isinstance(self.adaptive_speculation, bool):
             raise BlockspecError(f"adaptive_speculation={self.adaptive_speculation!r} must be True or "
                                  f"False.")
@@ -93,8 +94,8 @@ class EngineConfig:
                 raise BlockspecError(f"{name}={value!r} ({FLAGS[name]}) must be an integer.")
 
     def weight_blocks(self, embedded: bool) -> str | None:
-        """How the target holds its weights: None (dense, in `dtype`), a block type for every linear layer, or
-        "stored": the GGUF's own blocks (auto, for the embedded model, on the CPU in float32)."""
+        """How the target holds its weights: None (dense, in `dtype`), a block type for every linear layer,
+        or "stored": the GGUF's own blocks (auto, for the embedded model, on the CPU in float32)."""
         import torch
 
         if self.quantization == "auto":
@@ -124,8 +125,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default="auto")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--quantization", choices=list(QUANTIZATIONS), default="auto",
-                   help="the target's weights on the CPU: GGUF blocks with fp32 activations (auto: the embedded "
-                        "model's own Q4_1/Q8_0 blocks; a type: every linear layer in it), or none: dense fp32")
+                   help="the target's weights on the CPU: GGUF blocks with fp32 activations (auto: the "
+                        "embedded model's own Q4_1/Q8_0 blocks; a type: every linear layer in it), "
+                        "or none: dense fp32")
     g.add_argument("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=True,
                    help="take a plain decode step instead of a DFlash step when the measured step costs and "
                         "acceptance say it is faster (output is identical either way; default: on)")

@@ -41,8 +41,10 @@ def main() -> None:
     checkpoint = GGUFCheckpoint(gguf_path())
     op = kernels()
     print(f"threads={args.threads}  (median us per call; GB/s = weight bytes read per call / time)")
-    print(f"{'tensor':<22}{'type':>6}{'rows':>5}{'blocks us':>11}{'GB/s':>7}{'fp32 us':>10}{'GB/s':>7}{'speedup':>9}")
-    cases = [(label, [checkpoint.get(pattern.format(i)) for i in range(30)]) for pattern, label in SHAPES.items()]
+    print(f"{'tensor':<22}{'type':>6}{'rows':>5}{'blocks us':>11}{'GB/s':>7}"
+          f"{'fp32 us':>10}{'GB/s':>7}{'speedup':>9}")
+    cases = [(label, [checkpoint.get(pattern.format(i)) for i in range(30)])
+             for pattern, label in SHAPES.items()]
     cases.append(("lm_head 49152x576", [checkpoint.get("model.embed_tokens.weight")] * 2))
     for label, tensors in cases:
         dense = [t.dequantize() for t in tensors]
@@ -55,7 +57,8 @@ def main() -> None:
                 theirs.append(timed(lambda: F.linear(x, weight)))
             a, b = statistics.median(ours[3:]), statistics.median(theirs[3:])
             quant_bytes, dense_bytes = tensors[0].data.numel(), dense[0].numel() * 4
-            print(f"{label:<22}{tensors[0].qtype.name:>6}{rows:>5}{a * 1e6:>11.0f}{quant_bytes / a / 1e9:>7.1f}"
+            print(f"{label:<22}{tensors[0].qtype.name:>6}{rows:>5}"
+                  f"{a * 1e6:>11.0f}{quant_bytes / a / 1e9:>7.1f}"
                   f"{b * 1e6:>10.0f}{dense_bytes / b / 1e9:>7.1f}{b / a:>8.2f}x")
 
 

@@ -85,7 +85,8 @@ def test_a_linear_holding_blocks_loads_fused_parts_and_requantizes():
     assert torch.equal(layer.quant.data[32:48], requant_k)
     x = torch.randn(3, 64)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
-    assert layer.checkpoint_tensors("layers.0.self_attn.qkv_proj")["layers.0.self_attn.k_proj.weight"].shape == (16, 64)
+    assert (layer.checkpoint_tensors("layers.0.self_attn.qkv_proj")["layers.0.self_attn.k_proj.weight"].shape
+            == (16, 64))
     assert not layer.foldable
     torch.testing.assert_close(layer.forward_shards(x, 1), layer(x)[:, 32:])
 

@@ -63,11 +63,13 @@ def test_the_gguf_blocks_run_the_same_model(llm, blocks_llm):
     model's up to summation order, and its greedy answers are the same tokens."""
     target = blocks_llm.target
     assert target.layers[0].mlp.down_proj.quant.qtype.name == "q4_1"
-    assert target.embed_tokens.quant.qtype.name == "q8_0" and target.lm_head.quant is target.embed_tokens.quant
+    assert (target.embed_tokens.quant.qtype.name == "q8_0"
+            and target.lm_head.quant is target.embed_tokens.quant)
     ids = torch.tensor([llm.tokenizer.encode(llm.tokenizer.apply_chat_template(PROMPT))])
     with torch.inference_mode():
-        logits = [m.target.logits(m.target(ForwardBatch.in_cache(KVCache.for_model(m.target, 1, 256), [0], [0],
-                                                                   ids))[0]) for m in (llm, blocks_llm)]
+        logits = [m.target.logits(m.target(ForwardBatch.in_cache(KVCache.for_model(m.target, 1, 256),
+                                                                 [0], [0], ids))[0])
+                  for m in (llm, blocks_llm)]
     assert (logits[0] - logits[1]).abs().max() < 2e-3
     prompts = [llm.tokenizer.apply_chat_template(PROMPT), "def quicksort(items):"]
     params = SamplingParams(max_tokens=48)

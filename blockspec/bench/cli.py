@@ -137,7 +137,8 @@ def run_bench_command(args: argparse.Namespace) -> None:
     if args.baseline == "llama.cpp":
         methods.append(llama_cpp_method(llm, args))
         notes.append("llama.cpp runs the embedded model's GGUF through llama-cpp-python on the same prompt "
-                     "token ids; its kernels quantize activations to 8 bits, so its greedy tokens may differ.")
+                     "token ids; its kernels quantize activations to 8 bits, so its greedy tokens "
+                     "may differ.")
     dflash: list[tuple[str, int]] = []
     if has_draft:
         for size in args.sweep_block_sizes or [llm.block_size]:
@@ -208,8 +209,8 @@ def llama_cpp_method(llm, args: argparse.Namespace):
     from blockspec.models.default_model import gguf_path
 
     if args.model_path is not None:
-        raise BlockspecError("--baseline llama.cpp runs the embedded model's GGUF, the file blockspec runs by "
-                             "default; drop --model-path to compare on it.")
+        raise BlockspecError("--baseline llama.cpp runs the embedded model's GGUF, the file blockspec runs "
+                             "by default; drop --model-path to compare on it.")
     return LlamaCppMethod(llm, gguf_path(), args.threads or torch_threads())
 
 

@@ -30,8 +30,8 @@ class LlamaCppMethod:
         try:
             from llama_cpp import Llama
         except ImportError as exc:
-            raise BlockspecError(f"--baseline llama.cpp needs llama-cpp-python, an optional extra built from "
-                                 f"source: {INSTALL}.") from exc
+            raise BlockspecError(f"--baseline llama.cpp needs llama-cpp-python, an optional extra built "
+                                 f"from source: {INSTALL}.") from exc
         self.llm = llm
         self.model = Llama(model_path=str(gguf), n_ctx=llm.max_model_len, n_threads=threads,
                            n_threads_batch=threads, n_batch=512, seed=0, verbose=False)

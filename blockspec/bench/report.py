@@ -333,7 +333,8 @@ def build_report(samples: list[Sample], names: list[str], dflash: list[tuple[str
     for peer in PEERS:
         report[f"{peer}_tokens_per_s"] = summaries[peer]["tokens_per_s"] if peer in names else None
         if "ar" in names and peer in names:  # our plain decoding vs the peer's
-            report[f"ar_speedup_vs_{peer}"], report[f"ar_speedup_vs_{peer}_median"] = speedups(paired, peer, "ar")
+            (report[f"ar_speedup_vs_{peer}"],
+             report[f"ar_speedup_vs_{peer}_median"]) = speedups(paired, peer, "ar")
     if len(entries) > 1:
         report["sweep"] = [{k: v for k, v in e.items() if k != "per_prompt"} for e in entries]
         report["notes"] = report["notes"] + [

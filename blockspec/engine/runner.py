@@ -46,7 +46,8 @@ class ModelRunner:
     def tune_layouts(self, row_counts: tuple[int, ...]) -> None:
         """Time and set the fp32 CPU weight layouts (layout_tuning.py) for one row (a plain step), for each
         of `row_counts` (batch-1 verify and draft passes) and for batches of them."""
-        if self.device.type != "cpu" or self.target.dtype != torch.float32 or self.target.lm_head.quant is not None:
+        if (self.device.type != "cpu" or self.target.dtype != torch.float32
+                or self.target.lm_head.quant is not None):
             return  # the forms are for dense fp32 CPU weights (blocks have one kernel)
         position = min(256, self.max_len - max((DEFAULT_PROBE_ROWS, *row_counts)))  # a typical context
         if self.pool.num_free == 0 or position < 0:

@@ -1,6 +1,6 @@
 // y = x W^T for GGUF block-quantized weights W (Q4_0, Q4_1, Q8_0) held as stored, with fp32 activations and
-// fp32 accumulation. Weights dequantize exactly (q*d and q*d + m are exact in fp32 for these formats), so the
-// only difference from a dense fp32 matmul over the dequantized weights is the summation order, which is
+// fp32 accumulation. Weights dequantize exactly (q*d and q*d + m are exact in fp32 for these formats), so
+// the only difference from a dense fp32 matmul over the dequantized weights is the summation order, which is
 // fixed per output: 8 lanes accumulate in block order, each block's 32 products in 4 fused steps, then one
 // fixed horizontal sum. It does not depend on how many rows come in or where a row sits (batch invariance),
 // nor on the thread count (threads split the outputs, never a sum). The AVX2+FMA+F16C path and the portable
@@ -90,7 +90,7 @@ void rows_portable(int64_t qtype, const uint8_t* wrow, int64_t nblocks, const fl
   }
 }
 
-// ---- AVX2 path --------------------------------------------------------------------------------------------
+// ---- AVX2 path ----------------------------------------------------------------------------------------
 
 #ifdef BLOCKSPEC_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -119,7 +119,8 @@ template <int64_t QT>
 AVX2 inline void dequant(const uint8_t* p, __m256* w) {
   const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
   if constexpr (QT == kQ8_0) {
-    for (int part = 0; part < 4; ++part) w[part] = _mm256_mul_ps(_mm256_cvtepi32_ps(widen_i8(p + 2 + 8 * part)), d);
+    for (int part = 0; part < 4; ++part)
+      w[part] = _mm256_mul_ps(_mm256_cvtepi32_ps(widen_i8(p + 2 + 8 * part)), d);
   } else {
     const __m256 m = QT == kQ4_1 ? _mm256_set1_ps(_cvtsh_ss(load_u16(p + 2)))
                                  : _mm256_mul_ps(_mm256_set1_ps(-8.0f), d);
@@ -138,8 +139,8 @@ AVX2 inline void dequant(const uint8_t* p, __m256* w) {
 // NT * R dot products in its own accumulator, in the one fixed order. Several outputs per pass keep
 // independent FMA chains in flight for a single row; several rows per pass dequantize each block once.
 template <int64_t QT, int NT, int R>
-AVX2 void tile_avx2(const uint8_t* wrow, int64_t stride, int64_t nblocks, const float* x, int64_t ldx, float* y,
-                    int64_t ldy) {
+AVX2 void tile_avx2(const uint8_t* wrow, int64_t stride, int64_t nblocks, const float* x, int64_t ldx,
+                    float* y, int64_t ldy) {
   constexpr int64_t bytes = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : 34;
   __m256 acc[NT][R];
 #pragma GCC unroll 8
@@ -172,8 +173,8 @@ AVX2 void tile_avx2(const uint8_t* wrow, int64_t stride, int64_t nblocks, const 
 
 // NT outputs (from weight row `w`) for all `rows` rows: rows in groups of 4, the rest in one smaller group.
 template <int64_t QT, int NT>
-AVX2 void rows_avx2(const uint8_t* w, int64_t stride, int64_t nblocks, const float* x, int64_t ldx, int64_t rows,
-                    float* y, int64_t ldy) {
+AVX2 void rows_avx2(const uint8_t* w, int64_t stride, int64_t nblocks, const float* x, int64_t ldx,
+                    int64_t rows, float* y, int64_t ldy) {
   int64_t r = 0;
   for (; r + 4 <= rows; r += 4) tile_avx2<QT, NT, 4>(w, stride, nblocks, x + r * ldx, ldx, y + r * ldy, ldy);
   const float* xr = x + r * ldx;
@@ -185,10 +186,11 @@ AVX2 void rows_avx2(const uint8_t* w, int64_t stride, int64_t nblocks, const flo
   }
 }
 
-// Outputs [n0, n1) for all `rows` rows: 4 outputs at a time for one row (independent FMA chains), 2 for more.
+// Outputs [n0, n1) for all `rows` rows: 4 outputs at a time for one row (independent FMA chains), 2 for
+// more.
 template <int64_t QT>
-AVX2 void outputs_avx2(const uint8_t* w, int64_t stride, int64_t nblocks, const float* x, int64_t ldx, int64_t rows,
-                       float* y, int64_t ldy, int64_t n0, int64_t n1) {
+AVX2 void outputs_avx2(const uint8_t* w, int64_t stride, int64_t nblocks, const float* x, int64_t ldx,
+                       int64_t rows, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   int64_t n = n0;
   if (rows == 1) {
     for (; n + 4 <= n1; n += 4) tile_avx2<QT, 4, 1>(w + n * stride, stride, nblocks, x, ldx, y + n, ldy);
@@ -224,13 +226,15 @@ void outputs(int64_t qtype, const uint8_t* w, int64_t stride, int64_t nblocks, c
 // x [M, K] fp32 (rows contiguous), blocks [N, K / 32 * block_bytes] uint8 -> y [M, N] fp32.
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, bool portable) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "blockspec quant_matmul: x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
+              "blockspec quant_matmul: x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ",
+              x.scalar_type());
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "blockspec quant_matmul: blocks must be a contiguous 2-D uint8 tensor");
   const int64_t bytes = block_bytes(qtype);
   const int64_t rows = x.size(0), k = x.size(1), n = blocks.size(0);
   TORCH_CHECK(k % kBlock == 0 && blocks.size(1) == k / kBlock * bytes, "blockspec quant_matmul: x has ", k,
-              " columns but the weight rows hold ", blocks.size(1), " bytes (", bytes, " per block of ", kBlock, ")");
+              " columns but the weight rows hold ", blocks.size(1), " bytes (", bytes, " per block of ",
+              kBlock, ")");
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
@@ -259,8 +263,8 @@ at::Tensor quant_rows(const at::Tensor& blocks, const at::Tensor& ids, int64_t q
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   for (int64_t i = 0; i < idx.numel(); ++i) {
-    TORCH_CHECK(ip[i] >= 0 && ip[i] < blocks.size(0), "blockspec quant_rows: row ", ip[i], " is outside [0, ",
-                blocks.size(0), ")");
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < blocks.size(0), "blockspec quant_rows: row ", ip[i],
+                " is outside [0, ", blocks.size(0), ")");
     for (int64_t b = 0; b < nblocks; ++b)
       dequant_block(qtype, w + ip[i] * blocks.size(1) + b * bytes, op + i * nblocks * kBlock + b * kBlock);
   }

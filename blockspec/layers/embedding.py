@@ -70,7 +70,8 @@ class LMHead(Linear):
         if not self.tied:
             return super().use_blocks(qtype)
         if self.tied_to.quant is None:
-            raise ValueError("LMHead.use_blocks: a tied head takes its embedding's blocks: switch the embedding first.")
+            raise ValueError("LMHead.use_blocks: a tied head takes its embedding's blocks: switch the "
+                             "embedding first.")
         self.quant, self.weight, self.layout = self.tied_to.quant, None, None
         self._subsets = None
 

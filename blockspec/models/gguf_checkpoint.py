@@ -1,4 +1,5 @@
-"""A Llama GGUF as a checkpoint: its tensors under Hugging Face names, block-quantized ones as they are stored.
+"""A Llama GGUF as a checkpoint: its tensors under Hugging Face names, block-quantized ones as they are
+stored.
 
 This is how the target runs the file's own blocks (`loader.load_target(..., gguf=...)`) instead of the fp32
 copy `gguf_convert.py` writes: a quantized tensor becomes `Blocks` (its rows of GGUF blocks, q/k rows put
@@ -30,7 +31,8 @@ class GGUFCheckpoint:
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         tensor = self._tensors.get(name)
-        return None if tensor is None else tuple(int(d) for d in reversed(tensor.shape))  # GGUF: innermost first
+        # GGUF: innermost first
+        return None if tensor is None else tuple(int(d) for d in reversed(tensor.shape))
 
     def stored_type(self, name: str) -> QuantType | None:
         """The block type the tensor is stored in, None for a float tensor."""
@@ -41,9 +43,9 @@ class GGUFCheckpoint:
             return None
         if int(kind) not in BY_GGML_ID:
             raise ModelLoadError(
-                f"{self.source}: tensor {self._tensors[name].name} is {kind.name}, which blockspec's kernels do not "
-                f"read (they read {', '.join(sorted(QUANT_TYPES))}). Use --quantization none to run it "
-                f"dequantized in fp32, or --quantization q8_0 to requantize it.")
+                f"{self.source}: tensor {self._tensors[name].name} is {kind.name}, which blockspec's "
+                f"kernels do not read (they read {', '.join(sorted(QUANT_TYPES))}). Use --quantization none "
+                f"to run it dequantized in fp32, or --quantization q8_0 to requantize it.")
         return BY_GGML_ID[int(kind)]
 
     def get(self, name: str) -> torch.Tensor | Blocks:
@@ -57,7 +59,8 @@ class GGUFCheckpoint:
         if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             return torch.from_numpy(np.array(data, dtype=np.float32))
         if int(kind) in BY_GGML_ID:
-            return Blocks(BY_GGML_ID[int(kind)], torch.from_numpy(np.array(data, dtype=np.uint8)), self.shape(name)[1])
+            return Blocks(BY_GGML_ID[int(kind)], torch.from_numpy(np.array(data, dtype=np.uint8)),
+                          self.shape(name)[1])
         # a type the kernels do not read, for a dense layer (`stored_type` refuses it for blocks)
         return torch.from_numpy(gguf.quants.dequantize(data, kind).astype(np.float32))
 
@@ -68,4 +71,5 @@ def _reader(path: Path):
     try:
         return gguf.GGUFReader(str(path))
     except Exception as exc:  # gguf raises bare ValueError/struct errors on damaged files
-        raise ModelLoadError(f"{path} is not a readable GGUF ({exc}). Reinstall it: {INSTALL_HINT}.") from exc
+        raise ModelLoadError(f"{path} is not a readable GGUF ({exc}). Reinstall it: "
+                             f"{INSTALL_HINT}.") from exc

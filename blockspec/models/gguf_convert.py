@@ -128,7 +128,8 @@ def convert_gguf(source: Path, out_dir: Path, weights: bool = True) -> None:
                              f"which this converter does not handle.")
 
     tensors: dict[str, np.ndarray] = {}
-    for tensor in tqdm(reader.tensors if weights else [], desc=f"Converting {source.name}", unit="tensor", file=sys.stderr):
+    for tensor in tqdm(reader.tensors if weights else [], desc=f"Converting {source.name}", unit="tensor",
+                       file=sys.stderr):
         weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         if ".attn_q." in tensor.name:
             weight = unpermute(weight, heads)

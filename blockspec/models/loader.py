@@ -133,8 +133,8 @@ def load_into(model: nn.Module, checkpoint, names: dict[str, tuple[nn.Module, st
         shape = checkpoint.shape(name)
         if shape is None:
             raise ModelLoadError(
-                f"Tensor {name!r} is missing from the checkpoint in {checkpoint.source}. The checkpoint does not "
-                f"match its config.json (wrong architecture or an incomplete download)."
+                f"Tensor {name!r} is missing from the checkpoint in {checkpoint.source}. The checkpoint "
+                f"does not match its config.json (wrong architecture or an incomplete download)."
             )
         if shape != tuple(tensor.shape):
             raise ModelLoadError(
@@ -145,7 +145,8 @@ def load_into(model: nn.Module, checkpoint, names: dict[str, tuple[nn.Module, st
         layer.load(own_name, checkpoint.get(name))
 
 
-def hold_as_blocks(names: dict[str, tuple[nn.Module, str, torch.Tensor]], checkpoint, quantization: str) -> None:
+def hold_as_blocks(names: dict[str, tuple[nn.Module, str, torch.Tensor]], checkpoint,
+                   quantization: str) -> None:
     """Switch the embedding and every Linear to block storage before loading: of the type `quantization`
     names, or with "stored", of the type the checkpoint stores each in (float tensors stay dense)."""
     owned: dict[nn.Module, list[str]] = {}
@@ -160,18 +161,19 @@ def hold_as_blocks(names: dict[str, tuple[nn.Module, str, torch.Tensor]], checkp
         if len(stored) > 1:
             kinds = ", ".join(f"{n}: {t.name if t else 'float'}" for n, t in
                               ((n, checkpoint.stored_type(n)) for n in weights))
-            raise ModelLoadError(f"{checkpoint.source}: the parts of one fused layer are stored in different "
-                                 f"types ({kinds}); pass --quantization q8_0 (or none) to load them in one.")
+            raise ModelLoadError(f"{checkpoint.source}: the parts of one fused layer are stored in "
+                                 f"different types ({kinds}); "
+                                 f"pass --quantization q8_0 (or none) to load them in one.")
         qtype = stored.pop()
         if qtype is not None:
             layer.use_blocks(qtype)
 
 
-def load_target(folder: str | Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None,
-                gguf: Path | None = None) -> CausalLM:
-    """The target of a checkpoint folder (config.json, and its weights unless `gguf` gives them). quantization:
-    None for dense weights in `dtype`; a block type (q8_0, q4_0, q4_1) to hold every Linear and the embedding
-    in it (CPU, fp32 activations); "stored" to keep a GGUF's own blocks."""
+def load_target(folder: str | Path, dtype: torch.dtype, device: torch.device,
+                quantization: str | None = None, gguf: Path | None = None) -> CausalLM:
+    """The target of a checkpoint folder (config.json, and its weights unless `gguf` gives them).
+    quantization: None for dense weights in `dtype`; a block type (q8_0, q4_0, q4_1) to hold every Linear and
+    the embedding in it (CPU, fp32 activations); "stored" to keep a GGUF's own blocks."""
     folder = Path(folder)
     cfg = ModelConfig.from_folder(folder)
     with default_dtype(dtype):
