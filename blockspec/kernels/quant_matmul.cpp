@@ -223,8 +223,10 @@ void outputs(int64_t qtype, const uint8_t* w, int64_t stride, int64_t nblocks, c
   for (int64_t n = n0; n < n1; ++n) rows_portable(qtype, w + n * stride, nblocks, x, ldx, rows, y + n, ldy);
 }
 
-// x [M, K] fp32 (rows contiguous), blocks [N, K / 32 * block_bytes] uint8 -> y [M, N] fp32.
-at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, bool portable) {
+// x [M, K] fp32 (rows contiguous), blocks [N, K / 32 * block_bytes] uint8 -> y [M, N] fp32, plus
+// `residual` [M, N] if given (added to each finished dot product, as a separate add would).
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, bool portable,
+                        const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "blockspec quant_matmul: x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ",
               x.scalar_type());
@@ -238,6 +240,12 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t q
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
+  at::Tensor res;
+  if (residual.has_value()) {
+    res = residual->contiguous();
+    TORCH_CHECK(res.scalar_type() == at::kFloat && res.numel() == rows * n,
+                "blockspec quant_matmul: residual must hold ", rows, " x ", n, " float32 values");
+  }
   const float* xp = xc.data_ptr<float>();
   const int64_t ldx = xc.stride(0);
   const uint8_t* w = blocks.data_ptr<uint8_t>();
@@ -246,8 +254,12 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t q
   const bool fast = !portable && avx2_available();
   // About 64 KB of weights per task: enough work to beat the pool's overhead, fine enough to balance.
   const int64_t grain = std::max<int64_t>(4, (int64_t{1} << 16) / std::max<int64_t>(stride, 1)) / 4 * 4;
+  const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
     outputs(qtype, w, stride, nblocks, xp, ldx, rows, yp, n, n0, n1, fast);
+    if (rp != nullptr)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = n0; j < n1; ++j) yp[r * n + j] += rp[r * n + j];
   });
   return y;
 }
@@ -274,7 +286,7 @@ at::Tensor quant_rows(const at::Tensor& blocks, const at::Tensor& ids, int64_t q
 }  // namespace
 
 TORCH_LIBRARY(blockspec, m) {
-  m.def("quant_matmul(Tensor x, Tensor blocks, int qtype, bool portable=False) -> Tensor");
+  m.def("quant_matmul(Tensor x, Tensor blocks, int qtype, bool portable=False, Tensor? residual=None) -> Tensor");
   m.def("quant_rows(Tensor blocks, Tensor ids, int qtype) -> Tensor");
   m.def("avx2_available() -> bool", [] { return avx2_available(); });
 }

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.layers.forward_batch import ForwardBatch
+from blockspec.layers.fused import fused_ops
 
 
 class Attention(nn.Module):
@@ -24,6 +25,11 @@ class Attention(nn.Module):
                 context: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q [b, n, heads, d], k/v [b, n, kv_heads, d]; `context` (no cache only): the context's K/V, each
         [b, T, kv_heads, d]. Returns [b, n, heads * d]."""
+        ops = fused_ops(q)
+        if batch.cache is not None and ops is not None:
+            return ops.cache_attention(q, k, v, batch.cache.k_layers[self.layer_id],
+                                       batch.cache.v_layers[self.layer_id], batch.slots, batch.starts,
+                                       batch.kv_length, batch.visible(self.window))
         if batch.cache is not None:
             self.store(k, v, batch)
             keys, values = self.cached(batch)
@@ -31,6 +37,8 @@ class Attention(nn.Module):
             if context is not None:
                 k, v = torch.cat([context[0], k], dim=1), torch.cat([context[1], v], dim=1)
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
+        if ops is not None:
+            return ops.attention(q, keys, values, batch.visible(self.window))
         mask = batch.attention_mask(self.heads // self.kv_heads, q.dtype, self.window)
         return attention(q, keys, values, mask)
 

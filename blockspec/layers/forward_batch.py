@@ -102,7 +102,13 @@ class ForwardBatch:
 
     def visible(self, window: int | None = None) -> torch.Tensor | None:
         """bool [b, n, L] (True = visible) over the keys [context; new tokens] (a cache forward: cache rows
-        0..kv_length), or None when nothing is hidden."""
+        0..kv_length), or None when nothing is hidden. Built once per forward and window."""
+        key = ("visible", window)
+        if key not in self._memo:
+            self._memo[key] = self._visible(window)
+        return self._memo[key]
+
+    def _visible(self, window: int | None) -> torch.Tensor | None:
         b, n = self.positions.shape
         device = self.positions.device
         if self.cache is None:

@@ -100,13 +100,18 @@ class Linear(nn.Module):
             self.layout = Layout.build(self.weight, self.bias, plan, copies, self.layout)
 
     # ---- compute ----------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ b), plus `residual` if given (a residual stream's add, inside the kernel when the
+        weight is held as blocks)."""
         if self.quant is not None:
-            out = self.quant.matmul(x)
-            return out if self.bias is None else out + self.bias
-        if self.layout is not None and not torch.is_grad_enabled():
-            return self.layout(x)
-        return F.linear(x, self.weight, self.bias)
+            if self.bias is None:
+                return self.quant.matmul(x, residual)
+            out = self.quant.matmul(x) + self.bias
+        elif self.layout is not None and not torch.is_grad_enabled():
+            out = self.layout(x)
+        else:
+            out = F.linear(x, self.weight, self.bias)
+        return out if residual is None else residual + out
 
     def forward_shards(self, x: torch.Tensor, first: int) -> torch.Tensor:
         """Only the outputs of fused parts `first`.. (e.g. k and v of a fused qkv), in the stored form."""

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockspec.layers.fused import fused_ops
 from blockspec.layers.linear import Linear
 
 
@@ -36,6 +37,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
+        if (ops := fused_ops(x)) is not None:
+            return ops.rms_norm(x, weight, self.eps)
         if x.dtype != torch.float32:  # F.rms_norm accumulates low-precision inputs in fp32
             return F.rms_norm(x, (x.shape[-1],), None if weight is None else weight.to(x.dtype), self.eps)
         # F.rms_norm's math in fewer kernels (equal up to fp32 rounding). On the decode path (one row, 61

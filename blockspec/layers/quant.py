@@ -86,13 +86,15 @@ class QuantWeight:
         dense = tensor.dequantize() if isinstance(tensor, Blocks) else tensor  # requantized to this type
         self.data[rows].copy_(quantize(dense, self.qtype))
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., cols] (fp32) @ W^T -> [..., rows]."""
+    def matmul(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., cols] (fp32) @ W^T -> [..., rows], plus `residual` [..., rows] if given."""
         flat = x.reshape(-1, self.cols)
         if flat.dtype != torch.float32:
             flat = flat.float()
-        return kernels().quant_matmul(flat, self.data, self.qtype.ggml_id).view(*x.shape[:-1],
-                                                                                self.data.shape[0])
+        if residual is not None and residual.dtype != torch.float32:
+            residual = residual.float()
+        out = kernels().quant_matmul(flat, self.data, self.qtype.ggml_id, False, residual)
+        return out.view(*x.shape[:-1], self.data.shape[0])
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows `ids` [...] -> [..., cols] fp32 (an embedding lookup)."""

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from blockspec.layers.fused import fused_ops
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
@@ -63,3 +65,13 @@ class Rotary(nn.Module):
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Neox rotation of x [..., n, heads, head_dim] with a `Rotary.table` (sin carries the sign)."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` of x [b, n, heads, head_dim], in place where the fused CPU op applies (x is then
+    overwritten and returned), else into a new tensor."""
+    ops = fused_ops(x)
+    if ops is not None and x.dim() == 4 and cos.shape[:2] == x.shape[:2]:
+        ops.rope_(x, cos, signed_sin)
+        return x
+    return apply_rope(x, cos, signed_sin)

@@ -15,9 +15,10 @@ from torch import nn
 from blockspec.layers.attention import Attention
 from blockspec.layers.embedding import Embedding, LMHead
 from blockspec.layers.forward_batch import ForwardBatch
+from blockspec.layers.fused import fused_ops
 from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
-from blockspec.layers.rotary import Rope, Rotary, apply_rope
+from blockspec.layers.rotary import Rope, Rotary, rotate
 from blockspec.models.config import ModelConfig
 
 
@@ -34,15 +35,17 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = Attention(layer_id, self.heads, self.kv_heads, self.head_dim)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention output (plus `residual`, if given) for x [b, n, H]."""
         b, n, _ = x.shape
         qkv = self.qkv_proj(x).view(b, n, self.heads + 2 * self.kv_heads, self.head_dim)
         qk, v = qkv.split([self.heads + self.kv_heads, self.kv_heads], dim=2)
         if self.q_norm is not None:
             q, k = qk.split([self.heads, self.kv_heads], dim=2)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
-        q, k = apply_rope(qk, *rope).split([self.heads, self.kv_heads], dim=2)  # one rotation for q and k
-        return self.o_proj(self.attn(q, k, v, batch))
+        q, k = rotate(qk, *rope).split([self.heads, self.kv_heads], dim=2)  # one rotation for q and k
+        return self.o_proj(self.attn(q, k, v, batch), residual)
 
 
 class MLP(nn.Module):
@@ -52,9 +55,12 @@ class MLP(nn.Module):
                                    shard_names=("gate_proj", "up_proj"))
         self.down_proj = Linear(intermediate, hidden, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if (ops := fused_ops(gate_up)) is not None:
+            return self.down_proj(ops.silu_mul(gate_up), residual)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -66,8 +72,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # The residual adds happen inside the output projections (one op less each on the CPU kernels).
+        x = self.self_attn(self.input_layernorm(x), batch, rope, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
     def fold_norms(self) -> None:
         self.input_layernorm.fold_into(self.self_attn.qkv_proj)

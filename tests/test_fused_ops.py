@@ -1,0 +1,122 @@
+"""The fused CPU inference ops (RMSNorm, rotary, SiLU gate, attention with and without the KV cache) against
+torch's own ops, and the batch invariance they give a block-quantized target: a token's hidden state is the
+same bits decoded alone and inside a verify block."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import blockspec.layers.fused
+from blockspec.layers.forward_batch import ForwardBatch
+from blockspec.layers.fused import fused_ops
+from blockspec.layers.kv_cache import KVCache
+from blockspec.models.loader import load_target
+from tests.tiny import write_tiny_target
+
+with torch.no_grad():
+    OPS = fused_ops(torch.zeros(1))  # loads them
+pytestmark = pytest.mark.skipif(OPS is None, reason="blockspec's C++ kernels are not built")
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_rms_norm_silu_and_rope_match_torch():
+    x, w = torch.randn(3, 5, 576, generator=gen(0)), torch.randn(576, generator=gen(1))
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(OPS.rms_norm(x, w, 1e-5), want * w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(OPS.rms_norm(x, None, 1e-5), want, rtol=1e-5, atol=1e-5)
+    gate_up = torch.randn(2, 3, 2 * 1536, generator=gen(2)) * 6
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(OPS.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    qkv = torch.randn(2, 4, 18, 64, generator=gen(3))  # q and k rotate in place; v stays
+    cos, sin = torch.randn(2, 4, 1, 64, generator=gen(4)), torch.randn(2, 4, 1, 64, generator=gen(5))
+    qk, v = qkv[:, :, :15], qkv[:, :, 15:].clone()
+    want = qk * cos + qk.roll(32, dims=-1) * sin
+    OPS.rope_(qk, cos, sin)
+    assert torch.equal(qkv[:, :, :15], want) and torch.equal(qkv[:, :, 15:], v)
+
+
+def sdpa(q, k, v, visible):
+    """blockspec's attention through torch's SDPA: q [b, n, heads, d], k/v [b, kv, L, d]."""
+    b, n, heads, d = q.shape
+    groups = heads // k.shape[1]
+    mask = None
+    if visible is not None:
+        additive = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
+        mask = additive.unsqueeze(1).expand(b, groups, n, -1).reshape(b, 1, groups * n, -1)
+    q = q.view(b, n, k.shape[1], groups, d).permute(0, 2, 3, 1, 4).reshape(b, k.shape[1], groups * n, d)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.view(b, k.shape[1], groups, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, heads * d)
+
+
+@pytest.mark.parametrize("b,n,length", [(1, 1, 300), (2, 3, 17), (1, 5, 301), (3, 2, 8)])
+def test_attention_matches_sdpa(b, n, length):
+    q = torch.randn(b, n, 9, 64, generator=gen(0))
+    k, v = torch.randn(b, 3, length, 64, generator=gen(1)), torch.randn(b, 3, length, 64, generator=gen(2))
+    visible = torch.rand(b, n, length, generator=gen(3)) > 0.3
+    visible[..., 0] = True
+    torch.testing.assert_close(OPS.attention(q, k, v, visible), sdpa(q, k, v, visible), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(OPS.attention(q, k, v, None), sdpa(q, k, v, None), rtol=1e-5, atol=1e-6)
+
+
+def test_cache_attention_writes_the_rows_then_attends():
+    cache_k, cache_v = torch.zeros(4, 3, 50, 64), torch.zeros(4, 3, 50, 64)
+    cache_k[:, :, :20], cache_v[:, :, :20] = torch.randn(2, 4, 3, 20, 64, generator=gen(0))
+    q = torch.randn(2, 3, 9, 64, generator=gen(1))
+    k, v = torch.randn(2, 3, 3, 64, generator=gen(2)), torch.randn(2, 3, 3, 64, generator=gen(3))
+    slots, starts = [3, 1], [20, 18]
+    want_k, want_v = cache_k.clone(), cache_v.clone()
+    for row, (slot, start) in enumerate(zip(slots, starts)):
+        want_k[slot, :, start : start + 3], want_v[slot, :, start : start + 3] = k[row].transpose(0, 1), v[row].transpose(0, 1)
+    out = OPS.cache_attention(q, k, v, cache_k, cache_v, slots, starts, 23, None)
+    assert torch.equal(cache_k, want_k) and torch.equal(cache_v, want_v)
+    assert torch.equal(out, OPS.attention(q, want_k[slots][:, :, :23], want_v[slots][:, :, :23], None))
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        OPS.cache_attention(q, k, v, cache_k, cache_v, [3, 1], [48, 0], 23, None)
+
+
+def test_attention_is_batch_invariant_bitwise():
+    """A query over keys 0..p alone gives the same bits as inside a block whose later keys it cannot see."""
+    q = torch.randn(1, 5, 9, 64, generator=gen(0))
+    k, v = torch.randn(1, 3, 305, 64, generator=gen(1)), torch.randn(1, 3, 305, 64, generator=gen(2))
+    visible = torch.arange(305).view(1, 1, -1) <= 300 + torch.arange(5).view(1, -1, 1)
+    block = OPS.attention(q, k, v, visible)
+    for i in range(5):
+        alone = OPS.attention(q[:, i : i + 1], k[:, :, : 301 + i], v[:, :, : 301 + i], None)
+        assert torch.equal(block[:, i], alone[:, 0])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_quantized_target_hidden_states_are_batch_invariant(tmp_path, family):
+    """Every op on a block-held target's CPU path keeps each row's order fixed: a token's last-layer hidden
+    state decoded alone equals, bit for bit, the same token's row in 2-, 5- and 16-token verify blocks."""
+    target = load_target(write_tiny_target(tmp_path, family), torch.float32, torch.device("cpu"), "q8_0")
+    cache = KVCache.for_model(target, 1, 64)
+    tokens = torch.randint(3, target.config.vocab_size, (1, 40), generator=gen(4))
+    with torch.inference_mode():
+        target(ForwardBatch.in_cache(cache, [0], [0], tokens[:, :20]))
+        alone = [target(ForwardBatch.in_cache(cache, [0], [20 + i], tokens[:, 20 + i : 21 + i]))[0][0, 0]
+                 for i in range(16)]
+        for n in (2, 5, 16):
+            block, _ = target(ForwardBatch.in_cache(cache, [0], [20], tokens[:, 20 : 20 + n]))
+            for i in range(n):
+                assert torch.equal(block[0, i], alone[i]), (n, i)
+
+
+def test_fused_forward_matches_the_torch_ops(tmp_path, monkeypatch):
+    """The same dense target with the fused ops and with torch's ops: equal up to fp32 rounding."""
+    target = load_target(write_tiny_target(tmp_path), torch.float32, torch.device("cpu"))
+    tokens = torch.randint(3, target.config.vocab_size, (2, 12), generator=gen(5))
+
+    def run() -> torch.Tensor:
+        cache = KVCache.for_model(target, 2, 32)
+        target(ForwardBatch.in_cache(cache, [0, 1], [0, 0], tokens[:, :8]))
+        return target(ForwardBatch.in_cache(cache, [1, 0], [8, 8], tokens[:, 8:]))[0]
+
+    with torch.inference_mode():
+        fused = run()
+        monkeypatch.setattr(blockspec.layers.fused, "_OPS", None)
+        plain = run()
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
