@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench clean
 
-$(STAMP): pyproject.toml Makefile setup.py $(wildcard blockspec/kernels/*.cpp)
+$(STAMP): pyproject.toml Makefile setup.py $(wildcard blockspec/kernels/*.cpp blockspec/kernels/*.h)
 	test -x $(PY) || python3 -m venv $(VENV)
 	# torch first, pinned, so pip takes the local CPU wheel instead of resolving a CUDA build; the project's
 	# C++ kernels then compile against it (no build isolation: pip would fetch another torch to build with).

@@ -120,3 +120,23 @@ def test_fused_forward_matches_the_torch_ops(tmp_path, monkeypatch):
         monkeypatch.setattr(blockspec.layers.fused, "_OPS", None)
         plain = run()
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+
+
+def test_layer_stack_op_equals_the_python_layers_bitwise(tmp_path):
+    """A block-held Llama runs its layers as one op (blockspec/kernels/layer_stack.cpp): the same ops in the
+    same order as the Python layers, so the same bits, captured features included."""
+    target = load_target(write_tiny_target(tmp_path), torch.float32, torch.device("cpu"), "q4_1")
+    assert target.block_stack() is not None
+    tokens = torch.randint(3, target.config.vocab_size, (2, 12), generator=gen(6))
+    last = len(target.layers) - 1
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        cache = KVCache.for_model(target, 3, 32)
+        target(ForwardBatch.in_cache(cache, [2, 0], [0, 0], tokens[:, :8]))
+        return target(ForwardBatch.in_cache(cache, [0, 2], [8, 8], tokens[:, 8:]), capture=(0, last))
+
+    with torch.inference_mode():
+        stacked = run()
+        target.__dict__["_block_stack"] = None  # the Python layers, same fused ops
+        layered = run()
+    assert torch.equal(stacked[0], layered[0]) and torch.equal(stacked[1], layered[1])

@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -22,7 +24,7 @@
 #define BLOCKSPEC_X86 1
 #endif
 
-namespace {
+namespace blockspec_kernels {
 
 constexpr float kMinExpArg = -87.3f;  // exp below this is < 1.2e-38: taken as 0 (and -inf gives 0)
 
@@ -416,7 +418,9 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return attend_all(q, a);
 }
 
-}  // namespace
+}  // namespace blockspec_kernels
+
+using namespace blockspec_kernels;
 
 TORCH_LIBRARY_FRAGMENT(blockspec, m) {
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor");

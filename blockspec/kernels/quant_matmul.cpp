@@ -10,6 +10,8 @@
 #include <c10/util/Half.h>
 #include <torch/extension.h>
 
+#include "ops.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -19,7 +21,7 @@
 #define BLOCKSPEC_X86 1
 #endif
 
-namespace {
+namespace blockspec_kernels {
 
 constexpr int64_t kBlock = 32;  // weights per block, every supported type
 
@@ -283,7 +285,9 @@ at::Tensor quant_rows(const at::Tensor& blocks, const at::Tensor& ids, int64_t q
   return out;
 }
 
-}  // namespace
+}  // namespace blockspec_kernels
+
+using namespace blockspec_kernels;
 
 TORCH_LIBRARY(blockspec, m) {
   m.def("quant_matmul(Tensor x, Tensor blocks, int qtype, bool portable=False, Tensor? residual=None) -> Tensor");

@@ -114,8 +114,19 @@ class CausalLM(nn.Module):
         """`forward` from layer `first` on: x [b, n, H] is layer first-1's output (the embeddings when
         first is 0). Training's distillation runs a target's top layers on captured features this way."""
         rope = self.rotary.table(batch.positions, self.dtype)
-        captured: dict[int, torch.Tensor] = {}
         last = len(self.layers) - 1
+        if batch.cache is not None and (ops := fused_ops(x)) is not None and self.block_stack() is not None:
+            weights, qtypes, norms = self.block_stack()
+            layer = self.layers[0].self_attn
+            out = ops.decoder_layers(
+                x, weights[4 * first :], qtypes[4 * first :], norms[2 * first :], self.config.rms_norm_eps,
+                layer.heads, layer.kv_heads, *rope, batch.cache.k_layers[first:], batch.cache.v_layers[first:],
+                batch.slots, batch.starts, batch.kv_length, batch.visible(), [i - first for i in capture])
+            outputs = dict(zip(capture, out[1:]))
+            if last in outputs:
+                outputs[last] = self.norm(outputs[last])
+            return out[0], torch.cat([outputs[i] for i in capture], dim=-1) if capture else None
+        captured: dict[int, torch.Tensor] = {}
         for i, layer in islice(enumerate(self.layers), first, None):  # no ModuleList indexing per layer
             x = layer(x, batch, rope)
             if i in capture:
@@ -123,6 +134,27 @@ class CausalLM(nn.Module):
                 captured[i] = self.norm(x) if i == last else x
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return x, features
+
+    def block_stack(self) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor]] | None:
+        """The layers' blocks, their types and norm weights for the one-op CPU layer stack
+        (blockspec/kernels/layer_stack.cpp), or None where a layer cannot run there (dense or biased
+        linears, q/k norms). Gathered once: the layers hold their weights for good after loading."""
+        if "_block_stack" not in self.__dict__:
+            weights, qtypes, norms = [], [], []
+            for layer in self.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                    if linear.quant is None or linear.bias is not None:
+                        self.__dict__["_block_stack"] = None
+                        return None
+                    weights.append(linear.quant.data)
+                    qtypes.append(linear.quant.qtype.ggml_id)
+                if attn.q_norm is not None or layer.input_layernorm.folded:
+                    self.__dict__["_block_stack"] = None
+                    return None
+                norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            self.__dict__["_block_stack"] = (weights, qtypes, norms)
+        return self.__dict__["_block_stack"]
 
     def fold_norm_weights(self) -> None:
         """For inference: fold each layer's two RMSNorm weights into the projection they feed, saving 60

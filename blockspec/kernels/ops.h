@@ -1,0 +1,17 @@
+// The extension's ops as C++ functions, for ops built from others (layer_stack.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+namespace blockspec_kernels {
+
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, bool portable,
+                        const c10::optional<at::Tensor>& residual);
+at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight, double eps);
+void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& cache_k, const at::Tensor& cache_v, at::IntArrayRef slots,
+                           at::IntArrayRef starts, int64_t length, const c10::optional<at::Tensor>& visible);
+
+}  // namespace blockspec_kernels
