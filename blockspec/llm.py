@@ -189,6 +189,10 @@ class LLM:
         scheduler = self.scheduler(speculative_algorithm)
         seqs = [self.sequence(p, sp) for p, sp in zip(prompts, param_list)]
         run_to_completion(scheduler, seqs)
+        failed = [(i, seq.error) for i, seq in enumerate(seqs) if seq.finish_reason == "error"]
+        if failed:
+            raise RequestError(f"{len(failed)} of {len(seqs)} requests failed (the others finished); the "
+                               f"first, prompt {failed[0][0]}: {failed[0][1]}")
         return [self.output(seq, scheduler.decoder.speculative) for seq in seqs]
 
     def chat(
