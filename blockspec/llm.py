@@ -153,7 +153,7 @@ class LLM:
         if algorithm not in self.decoders:
             raise DraftConfigError("DFLASH was requested but this LLM was built without a draft model.")
         return Scheduler(self.runner, self.decoders[algorithm], self.config.max_total_tokens,
-                         self.config.prefill_tokens_per_step)
+                         self.config.prefill_tokens_per_step, self.config.prefill_decode_ratio)
 
     def sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """A request, its prompt checked against the vocabulary and the context length."""
