@@ -42,6 +42,7 @@ from blockspec.server.protocol import (
 log = logging.getLogger("blockspec.server")
 DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024  # far above any prompt a context of 32k tokens holds
 TOKENIZE_CONCURRENCY = 2  # prompts tokenized at once (each on a worker thread); the others wait their turn
+CHARS_PER_TOKEN_BOUND = 16  # text tokenizes to ~4 characters a token; a prefix this long per token suffices
 
 
 def create_app(llm, api_key: str | None = None, served_model_name: str | None = None,
@@ -161,10 +162,20 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await collect(request, seq, outputs, chat, rid, created)
 
+    def encode(text: str, param: str) -> list[int]:
+        """Token ids of a prompt, bounded: the tokenizer holds the GIL while it runs (the event loop then
+        stalls), so a text far longer than the context is refused once a prefix already fills it."""
+        limit = llm.max_model_len * CHARS_PER_TOKEN_BOUND
+        if len(text) > limit and len(llm.tokenizer.encode(text[:limit])) >= llm.max_model_len:
+            raise APIError(400, f"The prompt ({len(text)} characters) holds more tokens than the context "
+                                f"length max_model_len={llm.max_model_len}. Shorten it.", param=param,
+                           code="context_length_exceeded")
+        return llm.tokenizer.encode(text)
+
     def make_sequence(body: dict, parsed: ParsedRequest, chat: bool) -> Sequence:
         try:
             prompt = llm.tokenizer.apply_chat_template(chat_messages(body)) if chat else parsed.prompt
-            ids = llm.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            ids = encode(prompt, "messages" if chat else "prompt") if isinstance(prompt, str) else prompt
             max_tokens = parsed.max_tokens
             if max_tokens is None:  # chat without max_tokens: the rest of the context
                 max_tokens = llm.max_model_len - len(ids)
