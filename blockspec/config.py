@@ -44,6 +44,8 @@ class EngineConfig:
     max_num_seqs: int = 8  # requests decoded together, one KV slot each
     max_total_tokens: int | None = None  # KV budget in tokens; None: every slot can hold a full context
     prefill_tokens_per_step: int | None = None  # prompt tokens prefilled per engine step (None: 512)
+    # while requests decode, prefill tokens per step per row they verify (None: 2; 0: no sharing)
+    prefill_decode_ratio: float | None = None
     adaptive_speculation: bool = True  # a plain step where speculating is not expected to pay
     prompt_lookup_ngram: int = 2  # propose a context copy after a match of >= N tokens (0: off)
     prompt_lookup_block_size: int | None = None  # tokens verified per lookup step; None: max(4, block size)
@@ -92,6 +94,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise BlockspecError(f"{name}={value!r} ({FLAGS[name]}) must be an integer.")
+
+        ratio = self.prefill_decode_ratio
+        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
+                                  or not 0 <= ratio <= 1e6):
+            raise BlockspecError(f"prefill_decode_ratio={ratio!r} (--prefill-decode-ratio) must be a "
+                                 f"number in [0, 1e6].")
 
     def weight_blocks(self, embedded: bool) -> str | None:
         """How the target holds its weights: None (dense, in `dtype`), a block type for every linear layer,
@@ -154,4 +162,9 @@ def add_serving_args(p: argparse.ArgumentParser, default_running: int) -> None:
                         "recomputed later (default: every slot can hold a full-context request, so nothing "
                         "is ever preempted)")
     g.add_argument("--prefill-tokens-per-step", type=int, default=None,
-                   help="prompt tokens prefilled per engine step alongside decoding (default 512)")
+                   help="prompt tokens prefilled per engine step (default 512)")
+    g.add_argument("--prefill-decode-ratio", type=float, default=None, metavar="R",
+                   help="while requests decode, a step prefills at most R tokens per row it verifies (at "
+                        "least 16), so a long prompt delays the running streams by about R decode steps' "
+                        "worth of rows per step (default 2; 0: every step prefills "
+                        "--prefill-tokens-per-step)")

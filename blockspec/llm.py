@@ -153,7 +153,7 @@ class LLM:
         if algorithm not in self.decoders:
             raise DraftConfigError("DFLASH was requested but this LLM was built without a draft model.")
         return Scheduler(self.runner, self.decoders[algorithm], self.config.max_total_tokens,
-                         self.config.prefill_tokens_per_step)
+                         self.config.prefill_tokens_per_step, self.config.prefill_decode_ratio)
 
     def sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """A request, its prompt checked against the vocabulary and the context length."""
@@ -189,6 +189,10 @@ class LLM:
         scheduler = self.scheduler(speculative_algorithm)
         seqs = [self.sequence(p, sp) for p, sp in zip(prompts, param_list)]
         run_to_completion(scheduler, seqs)
+        failed = [(i, seq.error) for i, seq in enumerate(seqs) if seq.finish_reason == "error"]
+        if failed:
+            raise RequestError(f"{len(failed)} of {len(seqs)} requests failed (the others finished); the "
+                               f"first, prompt {failed[0][0]}: {failed[0][1]}")
         return [self.output(seq, scheduler.decoder.speculative) for seq in seqs]
 
     def chat(

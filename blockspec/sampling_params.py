@@ -30,8 +30,9 @@ class SamplingParams:
             raise RequestError(f"top_p={self.top_p!r} must be in (0, 1].")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise RequestError(f"top_k={self.top_k!r} must be an integer >= 1, or 0 / -1 to disable top-k.")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise RequestError(f"seed={self.seed!r} must be an integer or None.")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(2**63) <= self.seed < 2**64):
+            raise RequestError(f"seed={self.seed!r:.80} must be an integer in [-2**63, 2**64) or None.")
         bad = [t for t in self.stop_token_ids if isinstance(t, bool) or not isinstance(t, int) or t < 0]
         if bad:
             raise RequestError(f"stop_token_ids contains invalid ids {bad!r}; they must be non-negative "

@@ -49,8 +49,7 @@ def test_the_stand_in_enforces_cudas_device_rules():
 @pytest.mark.parametrize("block_size", [2, 4, 8])
 def test_engine_on_the_device_equals_the_cpu(tiny, block_size):
     """Greedy DFlash (with prompt lookup) on the device == plain decoding on the CPU, and a seeded sampled
-    request draws the same tokens on both (its generator, and so its draws, stay on the CPU). The governor,
-    which chooses steps by timing, is off: sampled plain and DFlash steps draw differently."""
+    request draws the same tokens on both (its draws are keyed by seed and position and made on the CPU)."""
     greedy, sampled = SamplingParams(max_tokens=24), SamplingParams(max_tokens=24, temperature=1.0, seed=7)
     cpu = LLM(model_path=str(tiny / "target"), draft_model_path=str(tiny / "draft"), block_size=block_size,
               device="cpu", adaptive_speculation=False)

@@ -92,7 +92,9 @@ def test_batched_equals_alone(engine, use_draft):
 @pytest.mark.parametrize("use_draft", [True, False])
 def test_running_slots_stay_compact(engine, use_draft, monkeypatch):
     """When a request leaves, the ones above it move down (KV copied once), so every decode batch is a
-    contiguous slot range in order and reads its K/V as a view; outputs are unchanged."""
+    contiguous slot range in order and reads its K/V as a view; outputs are unchanged. (Prefill is not
+    shared here: a request still prefilling beside decoding ones holds a slot among theirs, and those
+    steps gather.)"""
     want = alone(engine, use_draft)
     batches, moves = [], []
     decoder = engine.dflash if use_draft else engine.plain
@@ -101,7 +103,7 @@ def test_running_slots_stay_compact(engine, use_draft, monkeypatch):
     move = engine.runner.target_cache.move
     monkeypatch.setattr(engine.runner.target_cache, "move", lambda *a: (moves.append(a), move(*a)))
     got = fresh()
-    drive(engine.scheduler(use_draft), got)
+    drive(engine.scheduler(use_draft, prefill_decode_ratio=0), got)
     assert_same(got, want)
     assert moves and len(batches) > 10
     assert all(slots == list(range(slots[0], slots[0] + len(slots))) for slots in batches)
@@ -129,6 +131,28 @@ def test_long_prompt_is_prefilled_in_chunks_alongside_decode(engine):
         scheduler.add(seq)
     scheduler.step()  # the short prompt finishes prefill and decodes; the long one is 8 tokens in
     assert len(got[0].output_ids) > 1 and got[1].num_cached == 8 and not got[1].output_ids
+    drive(scheduler, [])
+    assert_same(got, want)
+    assert_all_free(scheduler)
+
+
+def test_prefill_shares_the_step_with_decoding_rows(engine):
+    """A long prompt arriving while others decode advances by its fair share per step (ratio x the
+    decoding rows, at least MIN_PREFILL_CHUNK), and only by the full allowance when nothing decodes."""
+    from blockspec.engine.scheduler import MIN_PREFILL_CHUNK
+
+    requests = [([4, 4], SamplingParams(max_tokens=40), []), ([5, 6], SamplingParams(max_tokens=40), []),
+                (list(range(96, 0, -1)), SamplingParams(max_tokens=10), [])]
+    want = alone(engine, True, requests)
+    scheduler = engine.scheduler(True, prefill_tokens_per_step=512)
+    got = fresh(requests)
+    scheduler.add(got[0])
+    scheduler.add(got[1])
+    scheduler.step()
+    scheduler.add(got[2])
+    scheduler.step()
+    share = max(MIN_PREFILL_CHUNK, int(2.0 * 2 * scheduler.width))
+    assert got[2].num_cached == share < len(got[2].prompt_ids)
     drive(scheduler, [])
     assert_same(got, want)
     assert_all_free(scheduler)

@@ -9,6 +9,9 @@ the scratch rows past a row's commit point are overwritten before anything atten
 
 from __future__ import annotations
 
+import logging
+from typing import Callable, TypeVar
+
 import torch
 
 from blockspec.engine.sampler import next_token
@@ -21,9 +24,23 @@ from blockspec.layers.linear import Linear
 from blockspec.models.draft import DFlashDraft
 from blockspec.models.target import CausalLM
 
+log = logging.getLogger("blockspec.engine")
+T = TypeVar("T")
+
 
 def slots(seqs: list[Sequence]) -> list[int]:
     return [s.slot for s in seqs]
+
+
+def guarded(seq: Sequence, work: Callable[[], T]) -> T | None:
+    """Run one request's own share of a step (its sampling, its acceptance); a fault there fails that
+    request alone (`Sequence.fail`) and returns None, and the batch carries on without it."""
+    try:
+        return work()
+    except Exception as exc:  # noqa: BLE001 - whatever it was, it must not take its neighbours down
+        log.exception("request %d failed", seq.seq_id)
+        seq.fail(f"{type(exc).__name__}: {exc}")
+        return None
 
 
 class ModelRunner:
@@ -119,7 +136,12 @@ class ModelRunner:
     def first_tokens(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         """Emit each sequence's first token from the hidden state of its last prompt token [b, H]."""
         for seq, out in zip(seqs, self.target_choices(seqs, hidden)):
-            seq.emit([int(out) if seq.params.greedy else next_token(out, seq.params, seq.generator)])
+            if seq.params.greedy:  # `out` is already the greedy token id
+                seq.emit([int(out)])
+                continue
+            token = guarded(seq, lambda: next_token(out, seq.params, seq.seed, seq.next_position))
+            if token is not None:
+                seq.emit([token])
 
     def target_pass(self, seqs: list[Sequence], tokens: torch.Tensor,
                     capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,20 +1,54 @@
-"""Turning logits into tokens: temperature, joint top-k/top-p filtering, seeded sampling."""
+"""Turning logits into tokens: temperature, joint top-k/top-p filtering, and keyed draws.
+
+A sampled token is drawn by inverse CDF with one uniform that depends only on the request's seed and the
+token's absolute position (`uniform`). Whatever path reaches a position (a plain step, a DFlash block,
+a prompt-lookup copy, a recomputation after preemption) and whatever the batch, the block size, the
+thread count or the device, the draw there is the same: a seed reproduces its tokens up to the logits'
+rounding, and DFlash's sampled output equals plain sampled decoding token for token (accept.py).
+"""
 
 from __future__ import annotations
 
 import torch
 
+from blockspec.errors import RequestError
 from blockspec.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+class SamplingError(RequestError):
+    """The target's distribution for a request could not be sampled (non-finite logits)."""
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection on 64-bit integers whose outputs look independent."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, position: int) -> float:
+    """A uniform number in [0, 1) keyed by (seed, position) alone: counter-based, no generator state."""
+    return (_mix64(_mix64(seed & _MASK64) ^ (position & _MASK64)) >> 11) * 2.0**-53
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The target distribution a request samples from, for logits [n, V] (float32).
 
+    The logits are shifted by their maximum before the temperature divides them: the top token then
+    scores exactly 0 and the others <= 0, so any temperature > 0, however small, gives a finite
+    distribution (one-hot in the limit) instead of inf / inf = NaN. The divisor is kept at or above the
+    float's smallest normal number, below which every logit gap would round to -inf anyway.
+
     top-k and top-p are applied jointly on the original (temperature-scaled) distribution: a token
     stays if it is among the k most likely and the mass strictly before it is < top_p. Renormalising
     after top-k and then cutting by top-p would be a different distribution.
     """
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+    logits = logits.float()
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(shifted / max(params.temperature, torch.finfo(torch.float32).tiny), dim=-1)
     use_k = params.top_k > 0 and params.top_k < probs.shape[-1]
     if not use_k and params.top_p >= 1.0:
         return probs
@@ -27,19 +61,24 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return filtered / filtered.sum(dim=-1, keepdim=True)
 
 
-def draw_device(probs: torch.Tensor, generator: torch.Generator | None) -> torch.device:
-    """Where random draws happen: on the request's generator (a CPU one, so a seed gives the same stream on
-    every device; CUDA refuses a CPU generator for its own tensors), else on the probabilities' device."""
-    return probs.device if generator is None else generator.device
+def draw(probs: torch.Tensor, seed: int, first_position: int) -> list[int]:
+    """One token per row of probs [n, V], row i drawn at absolute position first_position + i with that
+    position's keyed uniform, by inverse CDF in float64 on the CPU (so every device draws alike). A token
+    of probability 0 is never drawn. Raises SamplingError for a row that is not a distribution."""
+    cdf = probs.detach().to("cpu", torch.float64).cumsum(dim=-1)
+    total = cdf[:, -1]
+    if not bool(torch.isfinite(total).all()) or bool((total <= 0).any()):
+        raise SamplingError("The target's next-token distribution is not finite (the model produced NaN or "
+                            "infinite logits); the request cannot be sampled.")
+    u = torch.tensor([uniform(seed, first_position + i) for i in range(cdf.shape[0])], dtype=torch.float64)
+    tokens = torch.searchsorted(cdf, (u * total).unsqueeze(-1), right=True).squeeze(-1)
+    # u * total may round up to total: then the last token of non-zero probability (where cdf reaches it)
+    last = torch.searchsorted(cdf, total.unsqueeze(-1).contiguous()).squeeze(-1)
+    return torch.minimum(tokens, last).tolist()
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of probs [n, V], on the draw device."""
-    return torch.multinomial(probs.to(draw_device(probs, generator)), 1, generator=generator).squeeze(-1)
-
-
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """The next token from logits [V] of one request."""
+def next_token(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
+    """The token at absolute `position` from logits [V] of one request."""
     if params.greedy:
         return int(logits.argmax())
-    return int(sample(filtered_probs(logits.unsqueeze(0), params), generator)[0])
+    return draw(filtered_probs(logits.unsqueeze(0), params), seed, position)[0]

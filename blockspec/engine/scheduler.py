@@ -19,8 +19,12 @@ Policy (one step = `Scheduler.step`):
    (no overtaking, so long prompts are not starved).
 4. Prefill: up to `prefill_tokens_per_step` prompt tokens per step, split into chunks across the
    requests being prefilled (oldest first); rows of similar chunk length share one padded forward.
-   A long prompt thus takes several steps while the others keep decoding. (Padding rows are scratch
-   inside the slab, like a rejected draft tail, and are not counted against the budget.)
+   A long prompt thus takes several steps while the others keep decoding. Fairly: while requests
+   decode, a step's token budget is shared, and its prefill takes at most `prefill_decode_ratio`
+   times the rows its decode verifies (at least MIN_PREFILL_CHUNK), so a long prompt's arrival
+   delays the running streams by about two decode steps per step, not by a whole prompt's compute.
+   (Padding rows are scratch inside the slab, like a rejected draft tail, and are not counted against
+   the budget.)
 5. Compact: requests that finished at prefill leave, and running requests above a freed slot move
    down into it (`ModelRunner.compact`, one copy of their K/V), so the decode batch, in slot order,
    is a contiguous slot range whose K/V every layer reads as a view instead of a gather.
@@ -44,6 +48,9 @@ from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
 from blockspec.errors import RequestError
 
+MIN_PREFILL_CHUNK = 16  # a prompt still advances this much per step beside any decode batch
+DEFAULT_PREFILL_DECODE_RATIO = 2.0
+
 
 class StepDecoder(Protocol):
     """What decodes a batch one step (blockspec.speculative.decoder.Decoder)."""
@@ -61,7 +68,10 @@ class Scheduler:
         decoder: StepDecoder,
         max_total_tokens: int | None = None,
         prefill_tokens_per_step: int | None = None,
+        prefill_decode_ratio: float | None = None,
     ) -> None:
+        """`prefill_decode_ratio`: while requests decode, prefill tokens per step per decoded row (None:
+        DEFAULT_PREFILL_DECODE_RATIO; 0: no sharing, every step prefills prefill_tokens_per_step)."""
         self.runner, self.decoder = runner, decoder
         self.width = decoder.step_width
         capacity = runner.pool.num_slots * runner.max_len
@@ -72,6 +82,10 @@ class Scheduler:
             raise RequestError(f"max_total_tokens={max_total_tokens!r} must be a positive integer.")
         self.max_total_tokens = min(max_total_tokens or capacity, capacity)
         self.prefill_tokens_per_step = prefill_tokens_per_step or runner.prefill_chunk
+        ratio = DEFAULT_PREFILL_DECODE_RATIO if prefill_decode_ratio is None else prefill_decode_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < float("inf"):
+            raise RequestError(f"prefill_decode_ratio={prefill_decode_ratio!r} must be a number >= 0.")
+        self.prefill_decode_ratio = float(ratio)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # prefilling seq_id -> the ids to prefill (progress: its num_cached)
@@ -187,7 +201,7 @@ class Scheduler:
 
     def _prefill(self) -> list[Sequence]:
         """Run this step's share of prefill; sequences whose prefill ends get their first token."""
-        left = self.prefill_tokens_per_step
+        left = self.prefill_allowance()
         rows: list[tuple[Sequence, list[int]]] = []
         prefilling = (s for s in self.running if s.seq_id in self._prefill_ids)
         for seq in sorted(prefilling, key=lambda s: s.arrival_time):
@@ -207,6 +221,14 @@ class Scheduler:
             for i in done:
                 del self._prefill_ids[seqs[i].seq_id]
         return [s for s, _ in rows]
+
+    def prefill_allowance(self) -> int:
+        """Prompt tokens this step may prefill: its share of the step's budget beside the decoding rows."""
+        decoding = sum(1 for s in self.running if s.seq_id not in self._prefill_ids and not s.finished)
+        if not decoding or not self.prefill_decode_ratio:
+            return self.prefill_tokens_per_step
+        share = int(self.prefill_decode_ratio * decoding * self.width)
+        return min(self.prefill_tokens_per_step, max(MIN_PREFILL_CHUNK, share))
 
     def _groups(self, rows: list[tuple[Sequence, list[int]]]) -> list[list[tuple[Sequence, list[int]]]]:
         """Rows whose chunk lengths share a power-of-two bucket run in one padded forward (padding

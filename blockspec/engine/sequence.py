@@ -31,14 +31,19 @@ class Sequence:
     unfed_features: list[torch.Tensor] = field(default_factory=list)
     num_cached: int = 0
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
+    # The key of the request's draws (sampler.draw): its seed, or one drawn from torch's global generator
+    # (reproducible under --seed) when it has none.
+    seed: int = 0
+    error: str | None = None  # why it failed, with finish_reason "error"
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+            self.seed = self.params.seed
+        elif not self.params.greedy:
+            self.seed = int(torch.randint(-(2**63), 2**63 - 1, ()))
 
     @property
     def finished(self) -> bool:
@@ -47,6 +52,11 @@ class Sequence:
     @property
     def pending_token(self) -> int:
         return self.output_ids[-1]
+
+    @property
+    def next_position(self) -> int:
+        """The absolute position of the next token to be committed (the key of its draw)."""
+        return len(self.prompt_ids) + len(self.output_ids)
 
     def emit(self, tokens: list[int]) -> int:
         """Append tokens in order until a stop token (kept) or max_tokens; returns how many were taken.
@@ -68,3 +78,8 @@ class Sequence:
     def finish(self, reason: str) -> None:
         self.finish_reason = reason
         self.finish_time = time.perf_counter()
+
+    def fail(self, error: str) -> None:
+        """A fault in this request alone (its sampling, say): it finishes with "error"; others carry on."""
+        self.error = error
+        self.finish("error")

@@ -1,12 +1,15 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one engine thread.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with `"stream": true`
-as server-sent events in OpenAI's chunk format, `stream_options.include_usage` for a final usage
-chunk, then `data: [DONE]`), GET /health, GET /metrics (Prometheus text).
+Routes: GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (both
+with `"stream": true` as server-sent events in OpenAI's chunk format, `stream_options.include_usage` for
+a final usage chunk, then `data: [DONE]`), GET /health, GET /metrics (Prometheus text).
 With an API key, every /v1 route needs `Authorization: Bearer KEY` (401 otherwise); /health and
 /metrics stay open for probes and scrapers. Every error is OpenAI's error JSON; nothing is a bare 500.
 A client that disconnects (streaming or not) has its request aborted and its KV freed before the
-engine's next step.
+engine's next step. Bodies are limited in size (door.py); prompts are tokenized on worker threads, a
+few at a time, so the event loop keeps answering while a long prompt is tokenized.
+When the server stops (SIGTERM, shutdown.py) it admits nothing new (503); a request still running
+when the grace period ends gets an error: a stream its error event and `[DONE]`, others error JSON.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ from typing import Any, AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from blockspec.engine.sequence import Sequence
 from blockspec.errors import BlockspecError
 from blockspec.server.async_engine import AsyncEngine, Output
+from blockspec.server.door import Door, request_id
 from blockspec.server.metrics import Metrics
 from blockspec.server.protocol import (
     APIError, ParsedRequest, chat_messages, choice, envelope, extension, parse_request, sampling_params,
@@ -35,17 +40,23 @@ from blockspec.server.protocol import (
 )
 
 log = logging.getLogger("blockspec.server")
+DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024  # far above any prompt a context of 32k tokens holds
+TOKENIZE_CONCURRENCY = 2  # prompts tokenized at once (each on a worker thread); the others wait their turn
+CHARS_PER_TOKEN_BOUND = 16  # text tokenizes to ~4 characters a token; a prefix this long per token suffices
 
 
-def create_app(llm, api_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
+def create_app(llm, api_key: str | None = None, served_model_name: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               cors_origins: list[str] | None = None) -> FastAPI:
     """An app serving `llm` (a blockspec.LLM, its engine settings in llm.config); the engine thread starts
-    and stops with the app."""
+    and stops with the app. `cors_origins`: browser origins allowed to call it (None: CORS off)."""
     scheduler = llm.scheduler()
     metrics = Metrics(llm.block_size)
     engine = AsyncEngine(scheduler, llm.tokenizer, metrics)
     model_name = served_model_name or llm.model_path.name
     algorithm = llm.speculative_algorithm
     block_size = llm.block_size
+    tokenizing = asyncio.Semaphore(TOKENIZE_CONCURRENCY)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -56,6 +67,10 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
     app = FastAPI(title="blockspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine, app.state.llm, app.state.metrics, app.state.model_name = (
         engine, llm, metrics, model_name)
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["*"], expose_headers=["x-request-id"])
+    app.add_middleware(Door, max_body_bytes=max_request_bytes, on_error=metrics.http_error)
 
     def error(exc: APIError) -> JSONResponse:
         metrics.http_error(exc.status)
@@ -74,12 +89,6 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error(APIError(400, f"Invalid request: {exc.errors()}"))
 
-    @app.exception_handler(Exception)
-    async def on_crash(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error in %s", request.url.path)
-        return error(APIError(500, f"Internal server error: {type(exc).__name__}: {exc}",
-                              kind="internal_error"))
-
     async def authorize(request: Request) -> None:
         if api_key is None:
             return
@@ -91,20 +100,32 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        status = 200 if engine.alive else 503
-        return JSONResponse({"status": "ok" if status == 200 else "engine stopped", **engine.snapshot},
-                            status)
+        state = "engine stopped" if not engine.alive else "draining" if engine.draining else "ok"
+        return JSONResponse({"status": state, **engine.snapshot}, 200 if state == "ok" else 503)
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "blockspec",
+            "max_model_len": llm.max_model_len, "speculative_algorithm": algorithm, "block_size": block_size}
+
+    def check_model(name: Any) -> None:
+        if name is not None and not isinstance(name, str):
+            raise APIError(400, f"'model' must be a string, got {name!r:.80}.", param="model")
+        if name is not None and name != model_name:
+            raise APIError(404, f"The model {name!r:.200} does not exist; this server serves "
+                                f"{model_name!r} (see GET /v1/models).", param="model",
+                           code="model_not_found")
+
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "blockspec",
-                "max_model_len": llm.max_model_len, "speculative_algorithm": algorithm,
-                "block_size": block_size}
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)])
+    async def model(model_id: str) -> dict:
+        check_model(model_id)
+        return card
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request) -> Response:
@@ -114,20 +135,25 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
     async def chat_completions(request: Request) -> Response:
         return await generate(request, chat=True)
 
+    def refuse_if_stopping() -> None:
+        if not engine.alive or engine.draining:
+            raise APIError(503, "The server is starting or shutting down and takes no new requests.",
+                           kind="server_error", code="server_unavailable")
+
     async def generate(request: Request, chat: bool) -> Response:
+        refuse_if_stopping()
         try:
             body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"The request body is not valid JSON: {exc}.") from exc
-        if isinstance(body, dict) and body.get("model") is not None and body.get("model") != model_name:
-            raise APIError(400, f"The model {body['model']!r} does not exist; "
-                                f"this server serves {model_name!r} (see GET /v1/models).",
-                           param="model", code="model_not_found")
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, a 5000-digit number
+            what = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise APIError(400, f"The request body is not valid JSON: {what:.300}.") from exc
+        if isinstance(body, dict):
+            check_model(body.get("model"))
         parsed = parse_request(body, chat)
-        seq = make_sequence(body, parsed, chat)
-        if not engine.alive:
-            raise APIError(503, "The engine is not running; the server is starting or stopping.",
-                           kind="server_error")
+        async with tokenizing:
+            seq = await asyncio.to_thread(make_sequence, body, parsed, chat)
+        refuse_if_stopping()
+        log.debug("request %s is seq %d", request_id(request.scope), seq.seq_id)
         outputs = engine.submit(seq, parsed.stop)
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         if parsed.stream:
@@ -136,10 +162,20 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await collect(request, seq, outputs, chat, rid, created)
 
+    def encode(text: str, param: str) -> list[int]:
+        """Token ids of a prompt, bounded: the tokenizer holds the GIL while it runs (the event loop then
+        stalls), so a text far longer than the context is refused once a prefix already fills it."""
+        limit = llm.max_model_len * CHARS_PER_TOKEN_BOUND
+        if len(text) > limit and len(llm.tokenizer.encode(text[:limit])) >= llm.max_model_len:
+            raise APIError(400, f"The prompt ({len(text)} characters) holds more tokens than the context "
+                                f"length max_model_len={llm.max_model_len}. Shorten it.", param=param,
+                           code="context_length_exceeded")
+        return llm.tokenizer.encode(text)
+
     def make_sequence(body: dict, parsed: ParsedRequest, chat: bool) -> Sequence:
         try:
             prompt = llm.tokenizer.apply_chat_template(chat_messages(body)) if chat else parsed.prompt
-            ids = llm.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            ids = encode(prompt, "messages" if chat else "prompt") if isinstance(prompt, str) else prompt
             max_tokens = parsed.max_tokens
             if max_tokens is None:  # chat without max_tokens: the rest of the context
                 max_tokens = llm.max_model_len - len(ids)
@@ -158,6 +194,11 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
     def final(out: Output) -> dict:
         return extension(out.stats, algorithm, block_size)
 
+    def failure(out: Output) -> APIError:
+        if out.shutdown:
+            return APIError(503, out.error, kind="server_error", code="server_shutting_down")
+        return APIError(500, out.error, kind="internal_error")
+
     async def stream(seq: Sequence, outputs: asyncio.Queue, parsed: ParsedRequest, chat: bool, rid: str,
                      created: int) -> AsyncIterator[str]:
         done = False
@@ -170,7 +211,7 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
                 out: Output = await outputs.get()
                 if out.error is not None:
                     done = True
-                    yield sse(APIError(500, out.error, kind="internal_error").body())
+                    yield sse(failure(out).body())
                     break
                 if out.text:
                     yield sse(envelope(chat, True, rid, created, model_name,
@@ -208,7 +249,7 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
                 pending = None
                 if out.error is not None:
                     done = True
-                    raise APIError(500, out.error, kind="internal_error")
+                    raise failure(out)
                 pieces.append(out.text)
                 if out.finish_reason is not None:
                     done = True

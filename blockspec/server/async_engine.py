@@ -35,6 +35,7 @@ class Output:
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)  # on the last update only
     error: str | None = None
+    shutdown: bool = False  # the error is the server stopping, not a fault
 
 
 @dataclass
@@ -72,6 +73,7 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._tracked: dict[int, _Tracked] = {}  # engine thread only
         self._thread: threading.Thread | None = None
+        self.draining = False  # set once the server stops admitting (shutdown.py); handlers then refuse
         self.snapshot: dict[str, float] = {}
         self._publish()
 
@@ -102,6 +104,19 @@ class AsyncEngine:
         self._inbox.put(("abort", seq_id))
         self._wake.set()
 
+    @property
+    def num_requests(self) -> int:
+        """Requests submitted and not yet answered in full (read from any thread)."""
+        return len(self._tracked) + self._inbox.qsize()
+
+    def stop_admission(self) -> None:
+        self.draining = True
+
+    def end_remaining(self, message: str) -> None:
+        """Finish every request still running with an error (the grace period is over)."""
+        self._inbox.put(("end", message))
+        self._wake.set()
+
     # ---- the engine thread -------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stopping.is_set():
@@ -115,8 +130,10 @@ class AsyncEngine:
             try:
                 ran = self.scheduler.step()
             except Exception as exc:  # a bug or out-of-memory must not take the server down
-                log.exception("engine step failed; failing the running requests")
-                self._fail_all(f"internal engine error: {type(exc).__name__}: {exc}")
+                # A fault in one request's own work fails it alone (runner.guarded); what reaches here
+                # is the batch's (a forward pass): its requests fail, the queued ones carry on.
+                log.exception("engine step failed; failing the requests in it")
+                self._fail_running(f"internal engine error: {type(exc).__name__}: {exc}")
                 continue
             accepts: list[int] = []
             for seq in ran:
@@ -124,7 +141,7 @@ class AsyncEngine:
             self.metrics.step(time.perf_counter() - start,
                               accepts if self.scheduler.decoder.speculative else [])
             self._publish()
-        self._fail_all("the server is shutting down")
+        self._fail_all("the server is shutting down", shutdown=True)
 
     def _drain(self) -> None:
         while True:
@@ -132,7 +149,9 @@ class AsyncEngine:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
+            if kind == "end":
+                self._fail_all(item, shutdown=True)
+            elif kind == "add":
                 try:
                     self.scheduler.add(item.seq)
                 except BlockspecError as exc:  # handlers check first; this is a safety net
@@ -168,8 +187,9 @@ class AsyncEngine:
                 text, tracked.held = text[: len(text) - hold], text[len(text) - hold :]
         if text or reason is not None:
             final = reason is not None
+            error = f"the request failed: {seq.error}" if reason == "error" else None
             self._post(tracked, Output(text, len(seq.output_ids), reason,
-                                       seq.stats.copy() if final else RequestStats()))
+                                       seq.stats.copy() if final else RequestStats(), error))
         if reason is not None:
             self._tracked.pop(seq.seq_id, None)
             self._done(seq, reason)
@@ -185,10 +205,20 @@ class AsyncEngine:
         except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
             pass
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_running(self, message: str) -> None:
+        for seq in list(self.scheduler.running):
+            self.scheduler.abort(seq.seq_id, reason="error")
+            tracked = self._tracked.pop(seq.seq_id, None)
+            if tracked is not None:
+                self._post(tracked, Output("", len(seq.output_ids), "error", error=message))
+                self._done(seq, "error")
+        self._publish()
+
+    def _fail_all(self, message: str, shutdown: bool = False) -> None:
         for seq_id, tracked in list(self._tracked.items()):
             self.scheduler.abort(seq_id, reason="error")
-            self._post(tracked, Output("", len(tracked.seq.output_ids), "error", error=message))
+            self._post(tracked, Output("", len(tracked.seq.output_ids), "error", error=message,
+                                       shutdown=shutdown))
             self._done(tracked.seq, "error")
         self._tracked.clear()
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):  # untracked leftovers

@@ -26,6 +26,9 @@ from blockspec.sampling_params import SamplingParams
 
 # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# OpenAI's roles; "developer" is the newer name of "system" (the chat template sees "system")
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+SEED_RANGE = (-(2**63), 2**64 - 1)  # int64 or uint64: what clients send
 
 
 class APIError(Exception):
@@ -53,12 +56,24 @@ def _bad(param: str, message: str) -> APIError:
     return APIError(400, message, param=param)
 
 
+def text(param: str, value: str) -> str:
+    """A string the tokenizer can take: JSON may carry lone UTF-16 surrogates ("\\ud800"), which are not
+    text and cannot be encoded."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _bad(param, f"'{param}' holds a lone surrogate code point at index {exc.start}; send valid "
+                          f"Unicode text.") from exc
+    return value
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+    # an int is compared exactly (math.isfinite would overflow on 10**400)
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
 
 def _int(body: dict, name: str, minimum: int) -> int | None:
@@ -66,7 +81,7 @@ def _int(body: dict, name: str, minimum: int) -> int | None:
     if value is None:
         return None
     if not _is_int(value) or value < minimum:
-        raise _bad(name, f"'{name}' must be an integer >= {minimum}, got {value!r}.")
+        raise _bad(name, f"'{name}' must be an integer >= {minimum}, got {value!r:.200}.")
     return value
 
 
@@ -76,7 +91,7 @@ def _number(body: dict, name: str, default: float, low: float, high: float, low_
         return default
     if not _is_number(value) or value > high or value < low or (low_open and value == low):
         side = "(" if low_open else "["
-        raise _bad(name, f"'{name}' must be a number in {side}{low}, {high}], got {value!r}.")
+        raise _bad(name, f"'{name}' must be a number in {side}{low}, {high}], got {value!r:.200}.")
     return float(value)
 
 
@@ -85,7 +100,7 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise _bad(name, f"'{name}' must be true or false, got {value!r}.")
+        raise _bad(name, f"'{name}' must be true or false, got {value!r:.200}.")
     return value
 
 
@@ -96,13 +111,13 @@ def _stop(body: dict) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 16:
         raise _bad("stop", f"'stop' must be a non-empty string or a list of up to 16 non-empty strings, "
-                           f"got {stop!r}.")
-    return stops
+                           f"got {stop!r:.200}.")
+    return [text("stop", s) for s in stops]
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
     if body.get("n") not in (None, 1):
-        raise _bad("n", f"n={body['n']!r}: only n=1 is supported; send several requests instead.")
+        raise _bad("n", f"n={body['n']!r:.80}: only n=1 is supported; send several requests instead.")
     if body.get("best_of") not in (None, 1):
         raise _bad("best_of", "best_of > 1 is not supported.")
     for name in ("frequency_penalty", "presence_penalty"):
@@ -129,7 +144,7 @@ def _content(message: dict, index: int) -> str:
     if content is None and message.get("role") == "assistant":
         return ""
     if isinstance(content, str):
-        return content
+        return text(f"messages[{index}].content", content)
     if isinstance(content, list):
         parts = []
         for part in content:
@@ -137,10 +152,10 @@ def _content(message: dict, index: int) -> str:
                     or not isinstance(part.get("text"), str)):
                 raise _bad(f"messages[{index}].content",
                            "only text content parts ({'type': 'text', 'text': ...}) are supported.")
-            parts.append(part["text"])
+            parts.append(text(f"messages[{index}].content", part["text"]))
         return "".join(parts)
     raise _bad(f"messages[{index}].content",
-               f"message content must be a string or a list of text parts, got {content!r}.")
+               f"message content must be a string or a list of text parts, got {content!r:.200}.")
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -151,8 +166,14 @@ def chat_messages(body: dict) -> list[dict]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise _bad(f"messages[{i}]",
-                       f"messages[{i}] must be an object with a string 'role', got {message!r}.")
-        out.append({"role": message["role"], "content": _content(message, i)})
+                       f"messages[{i}] must be an object with a string 'role', got {message!r:.200}.")
+        role = message["role"]
+        if role not in ROLES:
+            hint = (" (tool and function calling are not supported)" if role in ("tool", "function") else "")
+            raise _bad(f"messages[{i}].role",
+                       f"messages[{i}].role={role!r:.80} is not a supported role{hint}; use one of "
+                       f"{sorted(ROLES)}.")
+        out.append({"role": ROLES[role], "content": _content(message, i)})
     return out
 
 
@@ -161,7 +182,7 @@ def completion_prompt(body: dict) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
-        return prompt
+        return text("prompt", prompt)
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         return prompt
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
@@ -181,16 +202,19 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     if not chat and max_tokens is None:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
     seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise _bad("seed", f"'seed' must be an integer, got {seed!r}.")
+    if seed is not None and (not _is_int(seed) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+        raise _bad("seed", f"'seed' must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got "
+                           f"{seed!r:.80}.")
     top_k = body.get("top_k", 0)
     if top_k is None or top_k == 0:
         top_k = 0
     elif not _is_int(top_k) or top_k < -1:
-        raise _bad("top_k", f"'top_k' must be an integer >= 1, or 0 / -1 to disable it, got {top_k!r}.")
+        raise _bad("top_k", f"'top_k' must be an integer >= 1, or 0 / -1 to disable it, got "
+                            f"{top_k!r:.200}.")
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
-        raise _bad("stop_token_ids", f"'stop_token_ids' must be a list of token ids, got {stop_ids!r}.")
+        raise _bad("stop_token_ids",
+                   f"'stop_token_ids' must be a list of token ids, got {stop_ids!r:.200}.")
     params = dict(
         temperature=_number(body, "temperature", 1.0, 0.0, 1e6),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, True),

@@ -1,15 +1,21 @@
 """Acceptance: how many candidate tokens the target keeps, and its own token that follows (the bonus).
 
 Both rules are lossless. A row verified [pending, d1 .. d_n]; target output i scores position i+1.
-Candidates are deterministic tokens (the draft's argmax, a prompt-lookup copy), which is what the
-sampled rule assumes.
+
+Sampled requests use "sample, then match": at each verified position the target's own token is drawn
+from its (temperature / top-k / top-p) distribution with that position's keyed uniform
+(sampler.draw); a candidate is kept while it equals the drawn token, and the first drawn token that
+differs (or the one after the last candidate) is the bonus. Every committed token is thus exactly
+the token plain sampled decoding draws at that position with the same seed, so the output has the
+target distribution for any proposer, and a candidate is kept with probability p(candidate), as in
+classic speculative sampling with a deterministic draft.
 """
 
 from __future__ import annotations
 
 import torch
 
-from blockspec.engine.sampler import draw_device, filtered_probs, sample
+from blockspec.engine.sampler import draw, filtered_probs
 from blockspec.engine.sequence import Sequence
 from blockspec.sampling_params import SamplingParams
 
@@ -20,7 +26,7 @@ def accept(seq: Sequence, candidates: torch.Tensor, host_candidates: torch.Tenso
     n + 1 outputs there (greedy token ids for a greedy request, fp32 logits for a sampled one)."""
     if seq.params.greedy:
         return greedy_accept(host_candidates, target)
-    return sampled_accept(candidates, target, seq.params, seq.generator)
+    return sampled_accept(host_candidates, target, seq.params, seq.seed, seq.next_position)
 
 
 def greedy_accept(drafts: torch.Tensor, choice: torch.Tensor) -> tuple[int, int]:
@@ -32,20 +38,14 @@ def greedy_accept(drafts: torch.Tensor, choice: torch.Tensor) -> tuple[int, int]
     return accepted, int(choice[accepted])
 
 
-def sampled_accept(
-    drafts: torch.Tensor, target_logits: torch.Tensor, params: SamplingParams,
-    generator: torch.Generator | None,
-) -> tuple[int, int]:
-    """Speculative sampling with a deterministic (argmax) draft: accept d_i with probability p_i(d_i);
-    at the first rejection draw the bonus from p_i with d_i removed and renormalised; if all are
-    accepted draw it from the last position. The output then has exactly the target distribution."""
-    probs = filtered_probs(target_logits, params)
-    uniforms = torch.rand(drafts.shape[0], generator=generator, device=draw_device(probs, generator))
-    p_draft = probs[:-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1).to(uniforms.device)
-    rejected = (uniforms >= p_draft).nonzero()
-    if rejected.numel() == 0:
-        return drafts.shape[0], int(sample(probs[-1:], generator)[0])
-    i = int(rejected[0])
-    residual = probs[i].clone()
-    residual[drafts[i]] = 0.0
-    return i, int(sample((residual / residual.sum()).unsqueeze(0), generator)[0])
+def sampled_accept(drafts: torch.Tensor, target_logits: torch.Tensor, params: SamplingParams, seed: int,
+                   position: int) -> tuple[int, int]:
+    """drafts [n] (CPU), target_logits [n + 1, V]; `position`: the absolute position of the token that
+    target output 0 scores. Sample, then match (see the module docstring)."""
+    drawn = draw(filtered_probs(target_logits, params), seed, position)
+    accepted = 0
+    for proposed, token in zip(drafts.tolist(), drawn):
+        if proposed != token:
+            break
+        accepted += 1
+    return accepted, drawn[accepted]

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from blockspec.engine.runner import ModelRunner
+from blockspec.engine.runner import ModelRunner, guarded
 from blockspec.engine.sequence import Sequence
 from blockspec.speculative.accept import accept
 from blockspec.speculative.dflash import MAX_UNFED, DFlashProposer
@@ -77,14 +77,18 @@ class Decoder:
 
         # 3. Accept: per row, the candidates the target keeps and its own token after them.
         host = candidates.cpu()
-        outcomes = [accept(seq, candidates[row, :n], host[row, :n], targets[row][: n + 1])
+        outcomes = [guarded(seq, lambda: accept(seq, candidates[row, :n], host[row, :n],
+                                                targets[row][: n + 1]))
                     for row, (seq, n) in enumerate(zip(seqs, plan.judged))]
 
         # 4. Commit: the accepted tokens and the bonus; the cache keeps exactly them (rows past the new
         #    length are scratch). The draft takes the features now if it ran, else they wait on the sequence.
         if plan.drafts:
             runner.inject(seqs, features, starts)
-        for row, (seq, (accepted, bonus)) in enumerate(zip(seqs, outcomes)):
+        for row, (seq, outcome) in enumerate(zip(seqs, outcomes)):
+            if outcome is None:  # the request failed: it leaves at the end of the step
+                continue
+            accepted, bonus = outcome
             seq.num_cached += accepted + 1
             tally(seq, plan.sources[row], accepted + 1, plan.capture)
             if plan.capture and not plan.drafts:
