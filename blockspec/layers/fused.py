@@ -1,6 +1,7 @@
 """The fused CPU inference ops (blockspec/kernels/fused_ops.cpp: RMSNorm, rotary embedding, SiLU gate,
-attention) and when the layers take them: fp32 CPU tensors with autograd off. Elsewhere (training, GPUs,
-other dtypes, or an install whose extension did not build) the layers run their torch ops."""
+attention) and when the layers take them: fp32 CPU tensors with autograd and autocast off. Elsewhere
+(training, GPUs, other dtypes, or an install whose extension did not build) the layers run their torch
+ops."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ _OPS: object | None = None
 _LOADED = False
 
 
-def fused_ops(x: torch.Tensor):
-    """torch.ops.blockspec where the fused ops apply to x, else None."""
+def fused_ops(*tensors: torch.Tensor):
+    """torch.ops.blockspec where the fused ops apply to these inputs, else None."""
     global _OPS, _LOADED
-    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled():
+    if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
+        return None
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
         return None
     if not _LOADED:
         _LOADED = True
