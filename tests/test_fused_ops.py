@@ -69,7 +69,8 @@ def test_cache_attention_writes_the_rows_then_attends():
     slots, starts = [3, 1], [20, 18]
     want_k, want_v = cache_k.clone(), cache_v.clone()
     for row, (slot, start) in enumerate(zip(slots, starts)):
-        want_k[slot, :, start : start + 3], want_v[slot, :, start : start + 3] = k[row].transpose(0, 1), v[row].transpose(0, 1)
+        want_k[slot, :, start : start + 3] = k[row].transpose(0, 1)
+        want_v[slot, :, start : start + 3] = v[row].transpose(0, 1)
     out = OPS.cache_attention(q, k, v, cache_k, cache_v, slots, starts, 23, None)
     assert torch.equal(cache_k, want_k) and torch.equal(cache_v, want_v)
     assert torch.equal(out, OPS.attention(q, want_k[slots][:, :, :23], want_v[slots][:, :, :23], None))

@@ -60,7 +60,8 @@ AVX2 inline __m256 exp8(__m256 x) {
   y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
   y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  const __m256i exponent = _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127));
+  const __m256i pow2 = _mm256_slli_epi32(exponent, 23);
   return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(pow2)), keep);
 }
 
@@ -77,7 +78,8 @@ inline float exp1(float x) { return x < kMinExpArg ? 0.0f : std::exp(x); }
 void check_cpu_float(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "blockspec ", op, ": ", name,
               " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
-  TORCH_CHECK(t.dim() > 0 && t.stride(-1) == 1, "blockspec ", op, ": ", name, "'s last dim must be contiguous");
+  TORCH_CHECK(t.dim() > 0 && t.stride(-1) == 1, "blockspec ", op, ": ", name,
+              "'s last dim must be contiguous");
 }
 
 // Runs fn(i0, i1) over [0, n) on torch's pool when the work (flops) pays for waking it, else inline.
@@ -237,7 +239,8 @@ AVX2 void scores_avx2(const AttentionArgs& a, const float* q, const float* k, co
   for (; j < a.length; ++j) {
     const float* kj = k + j * stride;
     __m256 c = _mm256_setzero_ps();
-    for (int64_t i = 0; i < a.d; i += 8) c = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(kj + i), c);
+    for (int64_t i = 0; i < a.d; i += 8)
+      c = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(kj + i), c);
     s[j] = hsum8(c) * a.scale;
   }
   if (vis != nullptr)
@@ -398,7 +401,8 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   for (int64_t bi = 0; bi < a.b; ++bi) {
-    TORCH_CHECK(slots[bi] >= 0 && slots[bi] < cache_k.size(0) && starts[bi] >= 0 && starts[bi] + a.n <= max_len,
+    TORCH_CHECK(slots[bi] >= 0 && slots[bi] < cache_k.size(0) && starts[bi] >= 0 &&
+                    starts[bi] + a.n <= max_len,
                 "blockspec cache_attention: row ", bi, " (slot ", slots[bi], ", start ", starts[bi],
                 ") is outside the cache");
     for (int64_t ni = 0; ni < a.n; ++ni) {

@@ -35,8 +35,8 @@ std::vector<at::Tensor> decoder_layers(const at::Tensor& x_in, at::TensorList we
     qkv = qkv.view({b, n, heads + 2 * kv_heads, d});
     rope_(qkv.narrow(2, 0, heads + kv_heads), cos, sin);
     at::Tensor attn = cache_attention(qkv.narrow(2, 0, heads), qkv.narrow(2, heads, kv_heads),
-                                      qkv.narrow(2, heads + kv_heads, kv_heads), cache_k[i], cache_v[i], slots,
-                                      starts, length, visible);
+                                      qkv.narrow(2, heads + kv_heads, kv_heads), cache_k[i], cache_v[i],
+                                      slots, starts, length, visible);
     x = quant_matmul(attn.view({b * n, heads * d}), weights[4 * i + 1], qtypes[4 * i + 1], false,
                      x.view({b * n, hidden}));
     h = rms_norm(x, norms[2 * i + 1], eps);

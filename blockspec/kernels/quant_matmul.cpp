@@ -290,7 +290,8 @@ at::Tensor quant_rows(const at::Tensor& blocks, const at::Tensor& ids, int64_t q
 using namespace blockspec_kernels;
 
 TORCH_LIBRARY(blockspec, m) {
-  m.def("quant_matmul(Tensor x, Tensor blocks, int qtype, bool portable=False, Tensor? residual=None) -> Tensor");
+  m.def("quant_matmul(Tensor x, Tensor blocks, int qtype, bool portable=False, Tensor? residual=None) "
+        "-> Tensor");
   m.def("quant_rows(Tensor blocks, Tensor ids, int qtype) -> Tensor");
   m.def("avx2_available() -> bool", [] { return avx2_available(); });
 }

@@ -15,7 +15,7 @@ from torch import nn
 from blockspec.layers.attention import Attention
 from blockspec.layers.embedding import Embedding, LMHead
 from blockspec.layers.forward_batch import ForwardBatch
-from blockspec.layers.fused import fused_ops
+from blockspec.layers.fused import MAX_FUSED_QUERIES, fused_ops
 from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import Rope, Rotary, rotate
@@ -115,17 +115,13 @@ class CausalLM(nn.Module):
         first is 0). Training's distillation runs a target's top layers on captured features this way."""
         rope = self.rotary.table(batch.positions, self.dtype)
         last = len(self.layers) - 1
-        if batch.cache is not None and (ops := fused_ops(x)) is not None and self.block_stack() is not None:
-            weights, qtypes, norms = self.block_stack()
-            layer = self.layers[0].self_attn
-            out = ops.decoder_layers(
-                x, weights[4 * first :], qtypes[4 * first :], norms[2 * first :], self.config.rms_norm_eps,
-                layer.heads, layer.kv_heads, *rope, batch.cache.k_layers[first:], batch.cache.v_layers[first:],
-                batch.slots, batch.starts, batch.kv_length, batch.visible(), [i - first for i in capture])
-            outputs = dict(zip(capture, out[1:]))
-            if last in outputs:
-                outputs[last] = self.norm(outputs[last])
-            return out[0], torch.cat([outputs[i] for i in capture], dim=-1) if capture else None
+        ops = fused_ops(x) if batch.cache is not None and batch.num_new <= MAX_FUSED_QUERIES else None
+        if ops is not None and self.block_stack() is not None:
+            x, *outputs = self.run_block_stack(ops, x, batch, rope, first, capture)
+            captured = dict(zip(capture, outputs))
+            if last in captured:
+                captured[last] = self.norm(captured[last])
+            return x, torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         captured: dict[int, torch.Tensor] = {}
         for i, layer in islice(enumerate(self.layers), first, None):  # no ModuleList indexing per layer
             x = layer(x, batch, rope)
@@ -134,6 +130,16 @@ class CausalLM(nn.Module):
                 captured[i] = self.norm(x) if i == last else x
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return x, features
+
+    def run_block_stack(self, ops, x: torch.Tensor, batch: ForwardBatch, rope: Rope, first: int,
+                        capture: tuple[int, ...]) -> list[torch.Tensor]:
+        """Layers first.. as one op (`block_stack`): [last output, then the outputs of layers `capture`]."""
+        weights, qtypes, norms = self.block_stack()
+        attn, cache = self.layers[0].self_attn, batch.cache
+        return ops.decoder_layers(
+            x, weights[4 * first :], qtypes[4 * first :], norms[2 * first :], self.config.rms_norm_eps,
+            attn.heads, attn.kv_heads, *rope, cache.k_layers[first:], cache.v_layers[first:], batch.slots,
+            batch.starts, batch.kv_length, batch.visible(), [i - first for i in capture])
 
     def block_stack(self) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor]] | None:
         """The layers' blocks, their types and norm weights for the one-op CPU layer stack
