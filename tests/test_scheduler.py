@@ -138,7 +138,8 @@ def test_long_prompt_is_prefilled_in_chunks_alongside_decode(engine):
 
 def test_prefill_shares_the_step_with_decoding_rows(engine):
     """A long prompt arriving while others decode advances by its fair share per step (ratio x the
-    decoding rows, at least MIN_PREFILL_CHUNK), and only by the full allowance when nothing decodes."""
+    decoding rows at the prompt's start, at least MIN_PREFILL_CHUNK), and only by the full allowance when
+    nothing decodes."""
     from blockspec.engine.scheduler import MIN_PREFILL_CHUNK
 
     requests = [([4, 4], SamplingParams(max_tokens=40), []), ([5, 6], SamplingParams(max_tokens=40), []),

@@ -21,8 +21,9 @@ Policy (one step = `Scheduler.step`):
    requests being prefilled (oldest first); rows of similar chunk length share one padded forward.
    A long prompt thus takes several steps while the others keep decoding. Fairly: while requests
    decode, a step's token budget is shared, and its prefill takes at most `prefill_decode_ratio`
-   times the rows its decode verifies (at least MIN_PREFILL_CHUNK), so a long prompt's arrival
-   delays the running streams by about two decode steps per step, not by a whole prompt's compute.
+   times the rows its decode verifies, fewer deep into a long prompt, where each token also attends
+   over its context (at least MIN_PREFILL_CHUNK), so a long prompt's arrival delays the running streams
+   by about two decode steps per step, not by a whole prompt's compute.
    (Padding rows are scratch inside the slab, like a rejected draft tail, and are not counted against
    the budget.)
 5. Compact: requests that finished at prefill leave, and running requests above a freed slot move
@@ -48,7 +49,11 @@ from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
 from blockspec.errors import RequestError
 
-MIN_PREFILL_CHUNK = 16  # a prompt still advances this much per step beside any decode batch
+MIN_PREFILL_CHUNK = 4  # a prompt still advances this much per step beside any decode batch
+# A prompt token at context length c also attends over c keys: it costs about 1 + c / ATTENTION_KEYS
+# decode rows (on SmolLM2 on 2 CPU cores, a 16-token chunk at 3,900 tokens of context took ~4 decode
+# steps, at the start of a prompt under one).
+ATTENTION_KEYS = 512
 DEFAULT_PREFILL_DECODE_RATIO = 2.0
 
 
@@ -227,7 +232,8 @@ class Scheduler:
         decoding = sum(1 for s in self.running if s.seq_id not in self._prefill_ids and not s.finished)
         if not decoding or not self.prefill_decode_ratio:
             return self.prefill_tokens_per_step
-        share = int(self.prefill_decode_ratio * decoding * self.width)
+        context = max((s.num_cached for s in self.running if s.seq_id in self._prefill_ids), default=0)
+        share = int(self.prefill_decode_ratio * decoding * self.width / (1 + context / ATTENTION_KEYS))
         return min(self.prefill_tokens_per_step, max(MIN_PREFILL_CHUNK, share))
 
     def _groups(self, rows: list[tuple[Sequence, list[int]]]) -> list[list[tuple[Sequence, list[int]]]]:
