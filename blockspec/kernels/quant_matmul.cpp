@@ -173,15 +173,18 @@ AVX2 void tile_avx2(const uint8_t* wrow, int64_t stride, int64_t nblocks, const 
     for (int r = 0; r < R; ++r) y[r * ldy + n] = hsum(acc[n][r]);
 }
 
-// NT outputs (from weight row `w`) for all `rows` rows: rows in groups of 4, the rest in one smaller group.
+// NT outputs (from weight row `w`) for all `rows` rows: rows in groups of 4, the rest in one smaller group
+// (5 left: one group, as a prompt-lookup verify of pending + 4 copied tokens has).
 template <int64_t QT, int NT>
 AVX2 void rows_avx2(const uint8_t* w, int64_t stride, int64_t nblocks, const float* x, int64_t ldx,
                     int64_t rows, float* y, int64_t ldy) {
   int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) tile_avx2<QT, NT, 4>(w, stride, nblocks, x + r * ldx, ldx, y + r * ldy, ldy);
+  for (; r + 4 <= rows && rows - r != 5; r += 4)
+    tile_avx2<QT, NT, 4>(w, stride, nblocks, x + r * ldx, ldx, y + r * ldy, ldy);
   const float* xr = x + r * ldx;
   float* yr = y + r * ldy;
   switch (rows - r) {
+    case 5: return tile_avx2<QT, NT, 5>(w, stride, nblocks, xr, ldx, yr, ldy);
     case 3: return tile_avx2<QT, NT, 3>(w, stride, nblocks, xr, ldx, yr, ldy);
     case 2: return tile_avx2<QT, NT, 2>(w, stride, nblocks, xr, ldx, yr, ldy);
     case 1: return tile_avx2<QT, NT, 1>(w, stride, nblocks, xr, ldx, yr, ldy);
