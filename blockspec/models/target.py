@@ -146,20 +146,14 @@ class CausalLM(nn.Module):
         (blockspec/kernels/layer_stack.cpp), or None where a layer cannot run there (dense or biased
         linears, q/k norms). Gathered once: the layers hold their weights for good after loading."""
         if "_block_stack" not in self.__dict__:
-            weights, qtypes, norms = [], [], []
-            for layer in self.layers:
-                attn, mlp = layer.self_attn, layer.mlp
-                for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                    if linear.quant is None or linear.bias is not None:
-                        self.__dict__["_block_stack"] = None
-                        return None
-                    weights.append(linear.quant.data)
-                    qtypes.append(linear.quant.qtype.ggml_id)
-                if attn.q_norm is not None or layer.input_layernorm.folded:
-                    self.__dict__["_block_stack"] = None
-                    return None
-                norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            self.__dict__["_block_stack"] = (weights, qtypes, norms)
+            linears = [linear for layer in self.layers for linear in (layer.self_attn.qkv_proj,
+                       layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            runs = all(linear.quant is not None and linear.bias is None for linear in linears) and all(
+                layer.self_attn.q_norm is None and not layer.input_layernorm.folded for layer in self.layers)
+            self.__dict__["_block_stack"] = None if not runs else (
+                [linear.quant.data for linear in linears], [linear.quant.qtype.ggml_id for linear in linears],
+                [norm.weight for layer in self.layers
+                 for norm in (layer.input_layernorm, layer.post_attention_layernorm)])
         return self.__dict__["_block_stack"]
 
     def fold_norm_weights(self) -> None:
