@@ -19,7 +19,10 @@ QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1")
 FLAGS = {"max_num_seqs": "--max-running-requests", "max_total_tokens": "--max-total-tokens",
          "prefill_tokens_per_step": "--prefill-tokens-per-step", "max_model_len": "--max-model-len",
          "threads": "--threads", "block_size": "--block-size", "mask_token_id": "--mask-token-id",
-         "seed": "--seed"}
+         "seed": "--seed", "speculative_tree_budget": "--speculative-tree-budget",
+         "speculative_tree_topk": "--speculative-tree-topk"}
+MAX_TREE_BUDGET = 64
+TREE_RULES = ("best-first", "spine-first")
 
 
 def _positive(value: object) -> bool:
@@ -49,6 +52,9 @@ class EngineConfig:
     adaptive_speculation: bool = True  # a plain step where speculating is not expected to pay
     prompt_lookup_ngram: int = 2  # propose a context copy after a match of >= N tokens (0: off)
     prompt_lookup_block_size: int | None = None  # tokens verified per lookup step; None: max(4, block size)
+    speculative_tree_budget: int = 0  # candidate trees of this many nodes (0: the draft's chain only)
+    speculative_tree_topk: int = 4  # a tree's tokens per block position, at most
+    speculative_tree_rule: str = "best-first"  # or "spine-first": the draft's chain, then the best others
     threads: int | None = None  # torch intra-op CPU threads (None: torch's choice)
 
     def __post_init__(self) -> None:
@@ -85,6 +91,18 @@ class EngineConfig:
             raise BlockspecError(f"prompt_lookup_block_size={width!r} must be an integer in [2, 64] (the "
                                  f"pending token + the proposed tokens verified in one pass), or None for "
                                  f"max(4, block size).")
+        budget, topk = self.speculative_tree_budget, self.speculative_tree_topk
+        if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= MAX_TREE_BUDGET:
+            raise BlockspecError(f"speculative_tree_budget={budget!r} (--speculative-tree-budget) must be an "
+                                 f"integer in [0, {MAX_TREE_BUDGET}]: the candidate nodes a DFlash step "
+                                 f"verifies beyond its pending token (0: the draft's chain only).")
+        if not _positive(topk) or topk > MAX_TREE_BUDGET:
+            raise BlockspecError(f"speculative_tree_topk={topk!r} (--speculative-tree-topk) must be an "
+                                 f"integer in [1, {MAX_TREE_BUDGET}]: the draft's best tokens per block "
+                                 f"position a tree may hold.")
+        if self.speculative_tree_rule not in TREE_RULES:
+            raise BlockspecError(f"speculative_tree_rule={self.speculative_tree_rule!r} "
+                                 f"(--speculative-tree-rule) must be one of {', '.join(TREE_RULES)}.")
         for name in ("max_num_seqs", "max_total_tokens", "prefill_tokens_per_step", "max_model_len",
                      "threads"):
             value = getattr(self, name)
@@ -146,6 +164,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-lookup-block-size", type=int, default=None, metavar="W",
                    help="tokens verified per prompt-lookup step, the pending one included "
                         "(default: max(4, B))")
+    g.add_argument("--speculative-tree-budget", type=int, default=0, metavar="N",
+                   help="DFlash steps may verify a tree of N candidate tokens built from the draft's top "
+                        "choices per block position instead of its chain alone; adaptive speculation "
+                        "takes the tree only where it measures faster (output is identical either way; "
+                        "0: chain only; default 0)")
+    g.add_argument("--speculative-tree-topk", type=int, default=4, metavar="K",
+                   help="a tree's tokens per block position, at most (default 4)")
+    g.add_argument("--speculative-tree-rule", choices=list(TREE_RULES), default="best-first",
+                   help="best-first: the N most probable prefixes; spine-first: the draft's chain first "
+                        "(never accepts less than it), then the most probable others (default best-first)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op CPU threads (default: torch's choice)")

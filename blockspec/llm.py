@@ -112,7 +112,16 @@ class LLM:
         if self.draft is not None:
             size = self.draft.config.block_size
             self.speculation = Speculation(size, self.draft.config.mask_token_id, cfg.prompt_lookup_ngram,
-                                           cfg.prompt_lookup_block_size or max(4, size))
+                                           cfg.prompt_lookup_block_size or max(4, size),
+                                           cfg.speculative_tree_budget, cfg.speculative_tree_topk,
+                                           cfg.speculative_tree_rule)
+            vocab = self.draft.vocab.numel() if self.draft.vocab is not None else target_cfg.vocab_size
+            if cfg.speculative_tree_budget and cfg.speculative_tree_topk > vocab:
+                raise BlockspecError(f"speculative_tree_topk={cfg.speculative_tree_topk} exceeds the draft's "
+                                     f"{vocab} proposable tokens; lower --speculative-tree-topk.")
+        elif cfg.speculative_tree_budget:
+            raise DraftConfigError("speculative_tree_budget needs a DFlash draft (trees are built from its "
+                                   "proposals); this LLM decodes without one.")
         slab_len = self.max_model_len + (self.speculation.step_width if self.speculation else 1)
         for model in (self.target, self.draft):
             if model is not None:
@@ -142,6 +151,20 @@ class LLM:
                 f"will use."
             )
         self.speculation.block_size = block_size
+        self.runner.tune_layouts(self.speculation.row_counts)
+
+    def set_tree_budget(self, budget: int) -> None:
+        """Verify candidate trees of `budget` nodes from now on (0: the chain only); the KV slabs were sized
+        for the budget the LLM was built with, which bounds it."""
+        if self.speculation is None:
+            raise DraftConfigError("set_tree_budget needs a DFlash draft; this LLM decodes without one.")
+        limit = self.runner.max_len - self.max_model_len - 1
+        if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= limit:
+            raise DraftConfigError(
+                f"speculative_tree_budget={budget!r} must be an integer in [0, {limit}] for this LLM (its KV "
+                f"slabs were sized for its step width); build the LLM with the largest budget you will use."
+            )
+        self.speculation.tree_budget = budget
         self.runner.tune_layouts(self.speculation.row_counts)
 
     def scheduler(self, speculative_algorithm: str | None = None) -> Scheduler:

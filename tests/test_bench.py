@@ -209,6 +209,21 @@ def test_sweep_block_sizes(tiny, capsys) -> None:
     assert all(f"dflash B={b}" in table for b in (2, 4, 8))
 
 
+def test_sweep_tree_budgets(tiny, capsys) -> None:
+    plot = tiny["root"] / "trees.png"
+    code, report = bench(tiny, "--sweep-tree-budgets", "0,3,9", "--num-prompts", "2", "--plot", str(plot))
+    assert code == 0
+    assert [(e["block_size"], e["tree_budget"]) for e in report["sweep"]] == [(4, 0), (4, 3), (4, 9)]
+    for entry in report["sweep"]:
+        assert entry["outputs_match"] == 1.0
+        assert entry["num_tree_steps"] == (entry["num_verify_steps"] if entry["tree_budget"] else 0)
+    assert plot.is_file()
+    table = capsys.readouterr().out
+    assert all(name in table for name in ("dflash B=4 ", "dflash B=4 N=3", "dflash B=4 N=9"))
+    code, _ = bench(tiny, "--sweep-tree-budgets", "0,3", "--sweep-block-sizes", "2,4")
+    assert code != 0
+
+
 def test_multi_turn_and_sampling(tiny) -> None:
     code, report = bench(tiny, "--multi-turn", "--num-prompts", "2")
     assert code == 0 and report["num_samples"] == 4 and report["outputs_match"] == 1.0

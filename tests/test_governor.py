@@ -8,7 +8,7 @@ import torch
 from blockspec.engine.sequence import Sequence
 from blockspec.sampling_params import SamplingParams
 from blockspec.speculative.governor import SpecGovernor
-from blockspec.speculative.plan import Speculation, StepPlan
+from blockspec.speculative.plan import DraftShape, Speculation, StepPlan
 from tests.test_scheduler import engine  # noqa: F401  (the tiny target + draft engine fixture)
 
 
@@ -20,41 +20,41 @@ def spec_step(gov: SpecGovernor, batch: list[Sequence], accepts: list[int], seco
               block_size: int = 4) -> None:
     for seq, a in zip(batch, accepts):
         seq.stats.accept_lengths.append(a)
-    gov.record(StepPlan.dflash(len(batch), block_size), batch, block_size, seconds)
+    gov.record(StepPlan.dflash(len(batch), DraftShape(block_size)), batch, seconds)
 
 
-def plain_step(gov: SpecGovernor, batch: list[Sequence], seconds: float, block_size: int = 4) -> None:
-    gov.record(StepPlan.plain(len(batch), capture=True), batch, block_size, seconds)
+def plain_step(gov: SpecGovernor, batch: list[Sequence], seconds: float) -> None:
+    gov.record(StepPlan.plain(len(batch), capture=True), batch, seconds)
 
 
 def test_measures_both_kinds_then_picks_the_faster_and_probes():
     gov, batch = SpecGovernor(alpha=1.0, tau_alpha=1.0, probe_spec_every=3, probe_plain_every=4), seqs(2)
-    assert gov.speculate(batch, 4)  # nothing measured: try DFlash
+    assert gov.speculate(batch, DraftShape(4))  # nothing measured: try DFlash
     spec_step(gov, batch, [1, 1], seconds=0.15)  # tau 1 at 1.5x a plain step's cost
-    assert not gov.speculate(batch, 4)  # the plain cost is unknown: try it
+    assert not gov.speculate(batch, DraftShape(4))  # the plain cost is unknown: try it
     plain_step(gov, batch, 0.10)
-    assert not gov.speculate(batch, 4)  # 1 token per 0.15 s < 1 per 0.10 s
+    assert not gov.speculate(batch, DraftShape(4))  # 1 token per 0.15 s < 1 per 0.10 s
     plain_step(gov, batch, 0.10)
     plain_step(gov, batch, 0.10)
-    assert gov.speculate(batch, 4)  # 3 plain steps in a row: probe DFlash once
+    assert gov.speculate(batch, DraftShape(4))  # 3 plain steps in a row: probe DFlash once
     spec_step(gov, batch, [3, 4], seconds=0.15)  # tau 3.5: 3.5 tokens per 0.15 s beats 1 per 0.10 s
-    assert gov.speculate(batch, 4)
+    assert gov.speculate(batch, DraftShape(4))
     for _ in range(3):
         spec_step(gov, batch, [3, 4], seconds=0.15)
-    assert not gov.speculate(batch, 4)  # 4 DFlash steps in a row: re-measure the plain cost once
+    assert not gov.speculate(batch, DraftShape(4))  # 4 DFlash steps in a row: re-measure the plain cost once
     plain_step(gov, batch, 0.10)
-    assert gov.speculate(batch, 4)
+    assert gov.speculate(batch, DraftShape(4))
 
 
 def test_costs_are_per_block_and_batch_size_and_new_requests_start_from_the_average():
     gov, batch = SpecGovernor(alpha=1.0, tau_alpha=1.0), seqs(1)
     spec_step(gov, batch, [1], seconds=0.2)
     plain_step(gov, batch, 0.1)
-    assert not gov.speculate(batch, 4)
-    assert gov.speculate(seqs(2), 4)  # batch size 2 never measured
-    assert gov.speculate(batch, 2)  # block size 2 never measured
+    assert not gov.speculate(batch, DraftShape(4))
+    assert gov.speculate(seqs(2), DraftShape(4))  # batch size 2 never measured
+    assert gov.speculate(batch, DraftShape(2))  # block size 2 never measured
     newcomer = seqs(1)
-    assert newcomer[0].tau_estimate is None and not gov.speculate(newcomer, 4)  # prior: tau 1 so far
+    assert not newcomer[0].tau_estimates and not gov.speculate(newcomer, DraftShape(4))  # prior: tau 1 so far
 
 
 def test_a_first_unlucky_block_moves_a_request_from_the_prior_not_to_its_sample():
@@ -64,8 +64,9 @@ def test_a_first_unlucky_block_moves_a_request_from_the_prior_not_to_its_sample(
         spec_step(gov, veteran, [3], seconds=0.12)
     plain_step(gov, veteran, 0.10)
     spec_step(gov, newcomer, [1], seconds=0.12)  # accepts only the bonus on its first block
-    assert newcomer[0].tau_estimate == pytest.approx(gov.expected_tau(veteran[0], 4) * 0.9 + 0.1, abs=0.05)
-    assert gov.speculate(newcomer, 4)  # ~2.8 tokens per 0.12 s still beats 1 per 0.10 s
+    prior = gov.expected_tau(veteran[0], DraftShape(4))
+    assert newcomer[0].tau_estimates[DraftShape(4)] == pytest.approx(prior * 0.9 + 0.1, abs=0.05)
+    assert gov.speculate(newcomer, DraftShape(4))  # ~2.8 tokens per 0.12 s still beats 1 per 0.10 s
 
 
 @pytest.mark.parametrize("kwargs", [dict(alpha=0.0), dict(alpha=1.5), dict(tau_alpha=0.0),
@@ -141,13 +142,13 @@ def test_governed_generation_mixes_steps_and_matches_plain(engine):
 def test_mixed_lookup_steps_are_weighed_against_dflash_steps():
     """Only some rows copying: a wider step pays off when the copied rows' lookup tau outweighs its cost."""
     gov, batch = SpecGovernor(alpha=1.0, tau_alpha=1.0), seqs(2)
-    assert gov.mix(batch, [True, False], 2, 4)  # nothing measured yet: try the wide step
+    assert gov.mix(batch, [True, False], DraftShape(2), 4)  # nothing measured yet: try the wide step
     spec_step(gov, batch, [2, 2], 0.10, block_size=2)  # DFlash at B=2: 4 tokens per 0.10 s
     batch[0].stats.lookup_accept_lengths.append(4)
     batch[1].stats.accept_lengths.append(2)
     mixed = StepPlan.lookup([[7, 7, 7], []], Speculation(2, 0, lookup_ngram=2, lookup_width=4))
     assert mixed.kind == "mixed" and mixed.width == 4
-    gov.record(mixed, batch, 2, 0.11)  # 4 + 2 tokens per 0.11 s
-    assert gov.mix(batch, [True, False], 2, 4)
-    gov.record(mixed, batch, 2, 0.20)  # the wide step got slow: 6 per 0.20 s < 4 per 0.10 s
-    assert not gov.mix(batch, [True, False], 2, 4)
+    gov.record(mixed, batch, 0.11)  # 4 + 2 tokens per 0.11 s
+    assert gov.mix(batch, [True, False], DraftShape(2), 4)
+    gov.record(mixed, batch, 0.20)  # the wide step got slow: 6 per 0.20 s < 4 per 0.10 s
+    assert not gov.mix(batch, [True, False], DraftShape(2), 4)

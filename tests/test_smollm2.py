@@ -119,3 +119,22 @@ def test_default_llm_runs_the_shipped_draft_losslessly(blocks_llm):
         assert bool(out.stats.lookup_accept_lengths) == bool(lookup)
     assert (DEFAULT_DRAFT / "MODEL_CARD.md").is_file()
     assert sum(out.accept_lengths) / len(out.accept_lengths) > 1.1 and out.stats.plain_steps == 0
+
+
+def test_candidate_trees_on_the_shipped_draft_are_lossless(blocks_llm):
+    """Trees from the shipped draft's top choices at B=4, two prompts in one batch: greedy output equals
+    plain decoding at every budget and rule, and a tree accepts more per step than the chain."""
+    prompts = [blocks_llm.tokenizer.apply_chat_template(PROMPT), "def quicksort(items):"]
+    params = SamplingParams(max_tokens=40)
+    plain = blocks_llm.generate(prompts, params)
+    spec = LLM(max_num_seqs=2, max_model_len=1024, adaptive_speculation=False, prompt_lookup_ngram=0,
+               block_size=4, speculative_tree_budget=20)
+    taus = {}
+    for budget, rule in ((0, "best-first"), (6, "spine-first"), (20, "best-first")):
+        spec.set_tree_budget(budget)
+        spec.speculation.tree_rule = rule
+        outs = spec.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [p.token_ids for p in plain]
+        assert all(o.stats.tree_steps == (len(o.accept_lengths) if budget else 0) for o in outs)
+        taus[budget] = sum(sum(o.accept_lengths) for o in outs) / sum(len(o.accept_lengths) for o in outs)
+    assert taus[20] > taus[0]

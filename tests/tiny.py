@@ -102,16 +102,20 @@ class ScriptedGovernor:
     def __init__(self, script: list[bool]) -> None:
         self.script, self.step = script or [True], 0
 
-    def speculate(self, seqs, block_size) -> bool:
+    def speculate(self, seqs, shape) -> bool:
         self.step += 1
         return self.script[(self.step - 1) % len(self.script)]
 
-    def mix(self, seqs, copied, block_size, width) -> bool:
+    def mix(self, seqs, copied, shape, width) -> bool:
         """The same script decides whether a batch where only some rows have a lookup match takes a mixed
         step."""
-        return self.speculate(seqs, block_size)
+        return self.speculate(seqs, shape)
 
-    def record(self, plan, seqs, block_size, seconds) -> None:
+    def shape(self, seqs, shapes):
+        """Drafted steps take the chain and the tree in turn."""
+        return shapes[self.step % len(shapes)]
+
+    def record(self, plan, seqs, seconds) -> None:
         pass
 
 
@@ -119,12 +123,13 @@ class TinyEngine:
     """A runner over a target and a draft with a DFlash decoder and a plain one, as `LLM` wires them."""
 
     def __init__(self, target, draft, block_size: int, num_slots: int, max_len: int,
-                 lookup: tuple[int, int] = (0, 0), governor=None) -> None:
+                 lookup: tuple[int, int] = (0, 0), governor=None, tree: tuple[int, int, str] = (0, 4,
+                                                                                   "best-first")) -> None:
         from blockspec.engine.runner import ModelRunner
         from blockspec.speculative.decoder import Decoder
         from blockspec.speculative.plan import Speculation
 
-        self.speculation = Speculation(block_size, draft.config.mask_token_id, *lookup)
+        self.speculation = Speculation(block_size, draft.config.mask_token_id, *lookup, *tree)
         self.runner = ModelRunner(target, draft, num_slots, max_len, self.speculation.row_counts)
         self.dflash = Decoder(self.runner, self.speculation, governor)
         self.plain = Decoder(self.runner)

@@ -37,15 +37,23 @@ exit with status 1 (after writing the report).
 """
 
 
-def _block_sizes(text: str) -> list[int]:
+def _integers(text: str, smallest: int, what: str, example: str) -> list[int]:
     try:
-        sizes = sorted({int(part) for part in text.split(",") if part.strip()})
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, "
-                                         f"e.g. 2,4,8,16")
-    if not sizes or sizes[0] < 2:
-        raise argparse.ArgumentTypeError(f"block sizes must be integers >= 2, got {text!r}")
-    return sizes
+                                         f"e.g. {example}")
+    if not values or values[0] < smallest:
+        raise argparse.ArgumentTypeError(f"{what} must be integers >= {smallest}, got {text!r}")
+    return values
+
+
+def _block_sizes(text: str) -> list[int]:
+    return _integers(text, 2, "block sizes", "2,4,8,16")
+
+
+def _tree_budgets(text: str) -> list[int]:
+    return _integers(text, 0, "tree budgets", "0,4,8,16")
 
 
 def register(sub) -> None:
@@ -71,6 +79,9 @@ def register(sub) -> None:
     p.add_argument("--sweep-block-sizes", type=_block_sizes, default=None, metavar="2,4,8,16",
                    help="run DFlash at each block size (one table, one plot); "
                         "the engine is built with the largest")
+    p.add_argument("--sweep-tree-budgets", type=_tree_budgets, default=None, metavar="0,4,8,16",
+                   help="run DFlash with candidate trees of each budget (0: the chain) at the block size "
+                        "given (one table, one plot); the engine is built with the largest")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_sampling_args(p)
     add_model_args(p)
@@ -116,14 +127,20 @@ def run_bench_command(args: argparse.Namespace) -> None:
             notes.append(f"--block-size {args.block_size} is ignored: "
                          f"--sweep-block-sizes decides the sizes.")
         args.block_size = max(args.sweep_block_sizes)  # KV slabs and RoPE tables sized for the largest block
+    if args.sweep_tree_budgets:
+        if args.sweep_block_sizes:
+            raise BlockspecError("--sweep-tree-budgets and --sweep-block-sizes cannot be combined: sweep "
+                                 "the budgets at one --block-size.")
+        args.speculative_tree_budget = max(args.sweep_tree_budgets)  # slabs sized for the largest tree
 
     llm = LLM(EngineConfig.from_args(args, max_num_seqs=1))
     has_draft = llm.draft is not None
     if not has_draft:
-        if args.baseline == "none" or args.sweep_block_sizes or args.plot:
+        if args.baseline == "none" or args.sweep_block_sizes or args.sweep_tree_budgets or args.plot:
             raise BlockspecError(
                 "No DFlash draft is loaded, so there is nothing to measure with --baseline none, "
-                "--sweep-block-sizes or --plot. Pass --draft-model-path DIR (a z-lab format DFlash draft).")
+                "--sweep-block-sizes, --sweep-tree-budgets or --plot. Pass --draft-model-path DIR (a z-lab "
+                "format DFlash draft).")
         notes.append("no DFlash draft is loaded: only plain decoding was timed; DFlash fields are null. "
                      "Pass --draft-model-path DIR to measure DFlash.")
 
@@ -139,13 +156,19 @@ def run_bench_command(args: argparse.Namespace) -> None:
         notes.append("llama.cpp runs the embedded model's GGUF through llama-cpp-python on the same prompt "
                      "token ids; its kernels quantize activations to 8 bits, so its greedy tokens "
                      "may differ.")
-    dflash: list[tuple[str, int]] = []
-    if has_draft:
+    dflash: list[tuple[str, int, int]] = []  # (method, block size, tree budget)
+    if has_draft and args.sweep_tree_budgets:
+        for budget in args.sweep_tree_budgets:
+            name = f"dflash@N={budget}"
+            methods.append(EngineMethod(llm, name, "DFLASH", llm.block_size, budget))
+            dflash.append((name, llm.block_size, budget))
+    elif has_draft:
+        budget = llm.speculation.tree_budget
         for size in args.sweep_block_sizes or [llm.block_size]:
             name = f"dflash@{size}" if args.sweep_block_sizes else "dflash"
             methods.append(EngineMethod(llm, name, "DFLASH", size))
-            dflash.append((name, size))
-    checks = [(name, "ar") for name, _ in dflash] if args.baseline != "none" else []
+            dflash.append((name, size, budget))
+    checks = [(name, "ar") for name, *_ in dflash] if args.baseline != "none" else []
 
     samples = run_bench(llm, prompts, methods, params, args.multi_turn, checks,
                         progress=not args.no_progress)
@@ -164,6 +187,8 @@ def run_bench_command(args: argparse.Namespace) -> None:
         "quantization": llm.weight_blocks or "none",
         "prompt_lookup_ngram": lookup.lookup_ngram if lookup else None,
         "prompt_lookup_block_size": lookup.lookup_width if lookup else None,
+        "speculative_tree_topk": llm.speculation.tree_topk if has_draft else None,
+        "speculative_tree_rule": llm.speculation.tree_rule if has_draft else None,
         "notes": notes, "machine": machine_info(llm.device, llm.dtype),
         "command": command_line(),
         "date": now_utc(),

@@ -116,6 +116,7 @@ def accept_stats(samples: list[Sample], dflash: str, block_size: int) -> dict:
         "accept_length_histogram": ([round(c / len(steps), 5) for c in counts] if steps
                                     else [0.0] * block_size),
         "num_verify_steps": len(steps),
+        "num_tree_steps": stats.tree_steps,
         "num_plain_steps": plain,
         "speculative_step_fraction": round(len(steps) / (len(steps) + plain), 4) if steps or plain else None,
         "num_lookup_steps": len(lookups),
@@ -140,11 +141,11 @@ def match_stats(samples: list[Sample], dflash: str, reference: str, greedy: bool
     return {"fraction": round(1 - len(mismatches) / len(samples), 5), "mismatches": mismatches}
 
 
-def dflash_entry(samples: list[Sample], dflash: str | None, block_size: int, baseline: str | None,
-                 names: list[str], greedy: bool) -> dict:
+def dflash_entry(samples: list[Sample], dflash: str | None, block_size: int, tree_budget: int,
+                 baseline: str | None, names: list[str], greedy: bool) -> dict:
     """The report fields for one DFlash configuration (the whole report, or one row of a sweep)."""
     paired = _paired(samples, names)
-    entry: dict = {"method": dflash, "block_size": block_size}
+    entry: dict = {"method": dflash, "block_size": block_size, "tree_budget": tree_budget}
     if dflash is None:
         entry.update(mean_accept_length=None, mean_accept_length_prompt_avg=None,
                      accept_length_histogram=None, dflash_tokens_per_s=None, speedup=None,
@@ -225,7 +226,7 @@ def print_table(report: dict, out: TextIO | None = None) -> None:
         if row.get("dflash_tokens_per_s") is None and row.get("mean_accept_length") is None:
             continue
         s = methods[row["method"]]
-        print(f"{'dflash B=' + str(row['block_size']):<14}{_fmt(s['tokens_per_s'], '.2f'):>9}"
+        print(f"{config_label(row):<14}{_fmt(s['tokens_per_s'], '.2f'):>9}"
               f"{_fmt(s['tokens_per_s_median'], '.2f'):>11}{_fmt(s['tpot_ms_mean'], '.1f'):>10}"
               f"{_fmt(s['tpot_ms_median'], '.1f'):>10}{_fmt(row['speedup'], '.2f') + 'x':>9}"
               f"{_fmt(row['speedup_median'], '.2f') + 'x':>9}{_fmt(row['mean_accept_length'], '.2f'):>7}",
@@ -237,6 +238,9 @@ def print_table(report: dict, out: TextIO | None = None) -> None:
             print(f"{'':<14}vs our plain decoding: {row['speedup_vs_ar']:.2f}x", file=out)
         hist = " ".join(f"{k}:{f:.2f}" for k, f in enumerate(row["accept_length_histogram"], 1) if f > 0)
         print(f"{'':<14}accept-length histogram {hist}", file=out)
+        if row.get("num_tree_steps"):
+            print(f"{'':<14}{row['num_tree_steps']} of {row['num_verify_steps']} DFlash steps verified "
+                  f"trees", file=out)
         if row.get("num_plain_steps"):
             print(f"{'':<14}adaptive speculation: {row['num_verify_steps']} DFlash steps "
                   f"(tau above is theirs), {row['num_plain_steps']} plain steps", file=out)
@@ -255,6 +259,12 @@ def print_table(report: dict, out: TextIO | None = None) -> None:
           file=out)
 
 
+def config_label(row: dict) -> str:
+    """A DFlash configuration in the table: its block size, and its tree budget where it has one."""
+    budget = row.get("tree_budget")
+    return f"dflash B={row['block_size']}" + (f" N={budget}" if budget else "")
+
+
 def write_plot(report: dict, path: str) -> None:
     """Acceptance-length histogram and per-prompt speedup; for a sweep, tau and speedup per block size."""
     import matplotlib
@@ -265,17 +275,20 @@ def write_plot(report: dict, path: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     if report.get("sweep"):
         rows = report["sweep"]
-        sizes = [r["block_size"] for r in rows]
-        left.plot(sizes, [r["mean_accept_length"] for r in rows], "o-")
-        left.set(xlabel="block size B", ylabel="tau (accepted tokens / step)", title="Acceptance length")
-        left.set_xscale("log", base=2)
-        left.set_xticks(sizes, [str(b) for b in sizes])
+        trees = len({r["tree_budget"] for r in rows}) > 1
+        # a tree sweep's x axis is the budget (0, the chain, drawn at 1 on the log axis)
+        xs = [max(r["tree_budget"], 1) if trees else r["block_size"] for r in rows]
+        names = [str(r["tree_budget"] if trees else r["block_size"]) for r in rows]
+        what = f"tree budget N (B={rows[0]['block_size']}; 0: chain)" if trees else "block size B"
+        left.plot(xs, [r["mean_accept_length"] for r in rows], "o-")
+        left.set(xlabel=what, ylabel="tau (accepted tokens / step)", title="Acceptance length")
         speed = [r["speedup"] if r["speedup"] is not None else float("nan") for r in rows]
-        right.plot(sizes, speed, "o-", color="tab:green")
+        right.plot(xs, speed, "o-", color="tab:green")
         right.axhline(1.0, color="grey", lw=0.8, ls="--")
-        right.set(xlabel="block size B", ylabel=f"decode speedup vs {report['baseline']}", title="Speedup")
-        right.set_xscale("log", base=2)
-        right.set_xticks(sizes, [str(b) for b in sizes])
+        right.set(xlabel=what, ylabel=f"decode speedup vs {report['baseline']}", title="Speedup")
+        for axis in (left, right):
+            axis.set_xscale("log", base=2)
+            axis.set_xticks(xs, names)
     else:
         hist = report["accept_length_histogram"] or []
         lookup = report.get("lookup_accept_length_histogram") or []
@@ -314,15 +327,16 @@ TIMING = ("decode-only: per prompt turn, time from the first output token to the
           "streamer (first new token -> end).")
 
 
-def build_report(samples: list[Sample], names: list[str], dflash: list[tuple[str, int]], baseline: str,
-                 greedy: bool, meta: dict) -> dict:
-    """The full JSON report. `dflash` lists (method name, block size); with several (a sweep) the top-level
-    DFlash fields are those of the block size with the best speedup, and `sweep` holds every size."""
+def build_report(samples: list[Sample], names: list[str], dflash: list[tuple[str, int, int]],
+                 baseline: str, greedy: bool, meta: dict) -> dict:
+    """The full JSON report. `dflash` lists (method name, block size, tree budget); with several (a sweep)
+    the top-level DFlash fields are those of the configuration with the best speedup, and `sweep` holds
+    every one."""
     paired = _paired(samples, names)
     base = baseline if baseline != "none" else None
     summaries = {name: method_summary(paired, name) for name in names}
-    entries = [dflash_entry(samples, d, size, base, names, greedy) for d, size in dflash] or [
-        dflash_entry(samples, None, meta["block_size"], base, names, greedy)]
+    entries = [dflash_entry(samples, d, size, budget, base, names, greedy) for d, size, budget in dflash] or [
+        dflash_entry(samples, None, meta["block_size"], 0, base, names, greedy)]
     best = max(entries, key=lambda e: (e.get("speedup") or 0, e["block_size"]))
     report = {**meta, **best, "baseline": baseline, "num_samples": len(samples),
               "num_timed_pairs": len(paired),
@@ -338,6 +352,6 @@ def build_report(samples: list[Sample], names: list[str], dflash: list[tuple[str
     if len(entries) > 1:
         report["sweep"] = [{k: v for k, v in e.items() if k != "per_prompt"} for e in entries]
         report["notes"] = report["notes"] + [
-            f"sweep: top-level DFlash fields are block size {best['block_size']} "
-            f"(best speedup); see 'sweep' for every size."]
+            f"sweep: top-level DFlash fields are {config_label(best)} (best speedup); see 'sweep' for every "
+            f"configuration."]
     return report

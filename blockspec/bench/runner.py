@@ -64,16 +64,20 @@ class Method(Protocol):
 
 @dataclass
 class EngineMethod:
-    """Our engine: plain decoding ("NONE") or DFlash at a given block size, on the same weights."""
+    """Our engine: plain decoding ("NONE") or DFlash at a given block size and tree budget, on the same
+    weights."""
 
     llm: LLM
     name: str
     algorithm: str  # "NONE" or "DFLASH"
     block_size: int | None = None  # DFlash only: set on the runner before each call (block-size sweep)
+    tree_budget: int | None = None  # DFlash only: likewise (tree-budget sweep)
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> RunStats:
         if self.block_size is not None:
             self.llm.set_block_size(self.block_size)
+        if self.tree_budget is not None:
+            self.llm.set_tree_budget(self.tree_budget)
         out = self.llm.generate([prompt_ids], params, speculative_algorithm=self.algorithm)[0]
         stats = out.stats.copy() if self.algorithm == "DFLASH" else RequestStats()
         return RunStats(list(out.token_ids), out.text, out.time_to_first_token_s, out.decode_time_s, stats)

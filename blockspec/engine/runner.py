@@ -143,12 +143,23 @@ class ModelRunner:
             if token is not None:
                 seq.emit([token])
 
-    def target_pass(self, seqs: list[Sequence], tokens: torch.Tensor,
-                    capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def target_pass(self, seqs: list[Sequence], tokens: torch.Tensor, capture: bool,
+                    parents: list[tuple[int, ...]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target's causal pass over tokens [b, w] at each row's positions num_cached.., writing their
-        K/V: last-layer hidden states [b, w, H] and, with `capture`, the draft's features [b, w, K*H]."""
-        batch = ForwardBatch.in_cache(self.target_cache, slots(seqs), [s.num_cached for s in seqs], tokens)
+        K/V: last-layer hidden states [b, w, H] and, with `capture`, the draft's features [b, w, K*H].
+        With `parents` a row's tokens are a tree (`ForwardBatch.tree`; a chain is a tree too)."""
+        starts, rows = [s.num_cached for s in seqs], slots(seqs)
+        batch = (ForwardBatch.in_cache(self.target_cache, rows, starts, tokens) if parents is None
+                 else ForwardBatch.tree(self.target_cache, rows, starts, tokens, parents))
         return self.target(batch, self.capture if capture else ())
+
+    def keep_paths(self, seqs: list[Sequence], paths: list[list[int]]) -> None:
+        """After a tree's verify pass: move each row's accepted nodes' K/V (nodes `paths[row]`, written at
+        rows num_cached + node) to consecutive rows num_cached + 1.., where decoding goes on from."""
+        for seq, path in zip(seqs, paths):
+            if path != list(range(1, len(path) + 1)):  # a chain's path is already in place
+                start = seq.num_cached
+                self.target_cache.move_rows(seq.slot, [start + node for node in path], start + 1)
 
     def target_choices(self, seqs: list[Sequence], hidden: torch.Tensor) -> list[torch.Tensor]:
         """Per row of hidden [b, ..., H] (last layer, before the final norm): the target's greedy token ids
@@ -169,11 +180,23 @@ class ModelRunner:
     def draft_proposals(self, seqs: list[Sequence], block: torch.Tensor) -> torch.Tensor:
         """The draft's proposals [b, B-1] for blocks [bonus, MASK...] [b, B] at each row's num_cached: its
         hidden states scored by the target's LM head (over the draft's vocabulary, if it has one)."""
-        batch = ForwardBatch.in_cache(self.draft_cache, slots(seqs), [s.num_cached for s in seqs], block,
-                                      among_new="all")
-        hidden = self.draft(batch)[:, 1:]
+        hidden = self.draft_hidden(seqs, block)
         best = self.target.lm_head.propose(hidden.reshape(-1, hidden.shape[-1]), self.draft.vocab)
         return best.view(hidden.shape[:2])
+
+    def draft_ranking(self, seqs: list[Sequence], block: torch.Tensor,
+                      k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `draft_proposals`, but each position's k best tokens and their log-probabilities under the
+        draft: ([b, B-1, k], [b, B-1, k]), best first (a tree's material, tree.py)."""
+        hidden = self.draft_hidden(seqs, block)
+        logprobs, ids = self.target.lm_head.ranked(hidden.reshape(-1, hidden.shape[-1]), k, self.draft.vocab)
+        return logprobs.view(*hidden.shape[:2], k), ids.view(*hidden.shape[:2], k)
+
+    def draft_hidden(self, seqs: list[Sequence], block: torch.Tensor) -> torch.Tensor:
+        """The draft's last hidden states at a block's drafted positions [b, B-1, H]."""
+        batch = ForwardBatch.in_cache(self.draft_cache, slots(seqs), [s.num_cached for s in seqs], block,
+                                      among_new="all")
+        return self.draft(batch)[:, 1:]
 
     def inject(self, seqs: list[Sequence], features: torch.Tensor, starts: list[int]) -> None:
         """Write the draft's context K/V for target features [b, n, K*H] at positions starts[i].. ."""

@@ -25,7 +25,8 @@ class Sequence:
     slot: int = -1
     output_ids: list[int] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
-    tau_estimate: float | None = None  # moving average of its accept lengths (the governor's)
+    # Moving averages of its accept lengths per kind of drafted step (the governor's: chain, tree)
+    tau_estimates: dict = field(default_factory=dict)
     # Target features [K*H] of the last positions (num_cached - len .. num_cached - 1) that plain steps
     # captured but did not yet inject into the draft's cache: injected in one pass when it next drafts.
     unfed_features: list[torch.Tensor] = field(default_factory=list)

@@ -15,6 +15,7 @@ class RequestStats:
     # kept apart so that tau stays the draft's own.
     lookup_accept_lengths: list[int] = field(default_factory=list)
     plain_steps: int = 0  # plain steps a DFlash request took where speculating did not pay (adaptive)
+    tree_steps: int = 0  # DFlash verify steps that verified a tree of candidates (in accept_lengths too)
 
     @classmethod
     def pooled(cls, many: Iterable[RequestStats]) -> RequestStats:
@@ -23,10 +24,12 @@ class RequestStats:
             out.accept_lengths += stats.accept_lengths
             out.lookup_accept_lengths += stats.lookup_accept_lengths
             out.plain_steps += stats.plain_steps
+            out.tree_steps += stats.tree_steps
         return out
 
     def copy(self) -> RequestStats:
-        return RequestStats(list(self.accept_lengths), list(self.lookup_accept_lengths), self.plain_steps)
+        return RequestStats(list(self.accept_lengths), list(self.lookup_accept_lengths), self.plain_steps,
+                            self.tree_steps)
 
     @property
     def mean_accept_length(self) -> float:
@@ -53,7 +56,8 @@ class RequestStats:
         lookup_tau = self.lookup_mean_accept_length
         return {"accept_lengths": list(self.accept_lengths),
                 "mean_accept_length": round(self.mean_accept_length, 4),
-                "num_verify_steps": len(self.accept_lengths), "num_plain_steps": self.plain_steps,
+                "num_verify_steps": len(self.accept_lengths), "num_tree_steps": self.tree_steps,
+                "num_plain_steps": self.plain_steps,
                 "lookup_accept_lengths": list(self.lookup_accept_lengths),
                 "num_lookup_steps": len(self.lookup_accept_lengths),
                 "lookup_mean_accept_length": None if lookup_tau is None else round(lookup_tau, 4)}

@@ -1,8 +1,8 @@
 // Grouped-query attention for CPU fp32 inference, with or without the KV cache: each (row, query, head) on
-// its own, scores over all keys in key order, hidden keys contributing exact zeros, so a query sees the
-// same sums whether the keys past it are absent (a decode step) or present and hidden (a verify block):
-// batch invariance. For a step's few queries it avoids SDPA's flash kernel, which costs ~50 us for one
-// query over a few hundred keys.
+// its own, its visible keys gathered in key order before the softmax sums them, so a query sees the same
+// sums whether hidden keys are absent (a decode step) or present (a verify block; a tree's other branches,
+// which sit between a node and its ancestors): batch invariance. For a step's few queries it avoids SDPA's
+// flash kernel, which costs ~50 us for one query over a few hundred keys.
 
 #include <limits>
 #include <vector>
@@ -31,9 +31,9 @@ float dot_portable(const float* a, const float* b, int64_t d) {
 }
 
 #ifdef BLOCKSPEC_X86
-// Scores of one query over keys 0..L (hidden keys -inf), padded with -inf to a multiple of 8: four keys at a
-// time, so four independent FMA chains are in flight (each key's own sum in one fixed order).
-AVX2 void scores_avx2(const AttentionArgs& a, const float* q, const float* k, const bool* vis, float* s) {
+// Scores of one query over keys 0..L, padded with -inf to a multiple of 8: four keys at a time, so four
+// independent FMA chains are in flight (each key's own sum in one fixed order).
+AVX2 void scores_avx2(const AttentionArgs& a, const float* q, const float* k, float* s) {
   constexpr float kHidden = -std::numeric_limits<float>::infinity();
   const int64_t stride = a.ks[2];
   int64_t j = 0;
@@ -58,14 +58,14 @@ AVX2 void scores_avx2(const AttentionArgs& a, const float* q, const float* k, co
       c = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(kj + i), c);
     s[j] = hsum8(c) * a.scale;
   }
-  if (vis != nullptr)
-    for (j = 0; j < a.length; ++j) s[j] = vis[j] ? s[j] : kHidden;
   for (j = a.length; j < (a.length + 7) / 8 * 8; ++j) s[j] = kHidden;
 }
 
-// softmax-weighted sum of V rows for one query's scores: out[0..d) (d a multiple of 8, at most 256).
-AVX2 void attend_avx2(const AttentionArgs& a, const float* v, float* s, float* out) {
-  const int64_t padded = (a.length + 7) / 8 * 8;
+// softmax-weighted sum of V rows for one query's scores s[0..count) of keys `keys` (null: keys 0..count),
+// padded with -inf to a multiple of 8: out[0..d) (d a multiple of 8, at most 256).
+AVX2 void attend_avx2(const AttentionArgs& a, const float* v, float* s, const int64_t* keys, int64_t count,
+                      float* out) {
+  const int64_t padded = (count + 7) / 8 * 8;
   __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < padded; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
   const float m = hmax8(mx);
@@ -84,10 +84,10 @@ AVX2 void attend_avx2(const AttentionArgs& a, const float* v, float* s, float* o
   __m256 acc[32];
   const int64_t parts = a.d / 8;
   for (int64_t p = 0; p < parts; ++p) acc[p] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < a.length; ++j) {
-    if (s[j] == 0.0f) continue;  // hidden or negligible: adds exact zeros
+  for (int64_t j = 0; j < count; ++j) {
+    if (s[j] == 0.0f) continue;  // negligible: adds exact zeros
     const __m256 pj = _mm256_set1_ps(s[j]);
-    const float* vj = v + j * a.vs[2];
+    const float* vj = v + (keys != nullptr ? keys[j] : j) * a.vs[2];
     for (int64_t p = 0; p < parts; ++p) acc[p] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * p), acc[p]);
   }
   const __m256 iv = _mm256_set1_ps(inv);
@@ -95,26 +95,25 @@ AVX2 void attend_avx2(const AttentionArgs& a, const float* v, float* s, float* o
 }
 #endif
 
-// Scores of one query over keys 0..L (hidden keys -inf).
-void scores_portable(const AttentionArgs& a, const float* q, const float* k, const bool* vis, float* s) {
-  for (int64_t j = 0; j < a.length; ++j)
-    s[j] = vis == nullptr || vis[j] ? dot_portable(q, k + j * a.ks[2], a.d) * a.scale
-                                    : -std::numeric_limits<float>::infinity();
+// Scores of one query over keys 0..L.
+void scores_portable(const AttentionArgs& a, const float* q, const float* k, float* s) {
+  for (int64_t j = 0; j < a.length; ++j) s[j] = dot_portable(q, k + j * a.ks[2], a.d) * a.scale;
 }
 
-void attend_portable(const AttentionArgs& a, const float* v, float* s, float* out) {
+void attend_portable(const AttentionArgs& a, const float* v, float* s, const int64_t* keys, int64_t count,
+                     float* out) {
   float m = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < a.length; ++j) m = std::max(m, s[j]);
+  for (int64_t j = 0; j < count; ++j) m = std::max(m, s[j]);
   std::fill(out, out + a.d, 0.0f);
   if (m == -std::numeric_limits<float>::infinity()) return;
   float sum = 0.0f;
-  for (int64_t j = 0; j < a.length; ++j) {
+  for (int64_t j = 0; j < count; ++j) {
     s[j] = exp1(s[j] - m);
     sum += s[j];
   }
-  for (int64_t j = 0; j < a.length; ++j) {
+  for (int64_t j = 0; j < count; ++j) {
     if (s[j] == 0.0f) continue;
-    const float* vj = v + j * a.vs[2];
+    const float* vj = v + (keys != nullptr ? keys[j] : j) * a.vs[2];
     for (int64_t i = 0; i < a.d; ++i) out[i] += s[j] * vj[i];
   }
   const float inv = 1.0f / sum;
@@ -131,6 +130,26 @@ void check_visible(const c10::optional<at::Tensor>& visible, AttentionArgs& a, a
   a.visible = keep.data_ptr<bool>();
 }
 
+// Moves the visible keys' scores to the front of s, in key order, with -inf after them up to a multiple of 8,
+// and returns their count; `keys` gets their indices, or stays empty where they are keys 0..count (all of
+// them, or a causal prefix). A query's sums then run over the same sequence of keys wherever hidden ones sit.
+int64_t gather_visible(const bool* vis, int64_t length, float* s, std::vector<int64_t>& keys) {
+  keys.clear();
+  int64_t count = length;
+  if (vis != nullptr) {
+    count = 0;
+    for (int64_t j = 0; j < length; ++j) {
+      if (!vis[j]) continue;
+      s[count] = s[j];
+      keys.push_back(j);
+      ++count;
+    }
+    if (count == 0 || keys.back() == count - 1) keys.clear();  // a prefix: no indirection needed
+  }
+  for (int64_t j = count; j < (count + 7) / 8 * 8; ++j) s[j] = -std::numeric_limits<float>::infinity();
+  return count;
+}
+
 // Each (batch row, query, head) on its own: scores, softmax, weighted V rows.
 at::Tensor attend_all(const at::Tensor& q, AttentionArgs& a) {
   at::Tensor out = at::empty({a.b, a.n, a.heads * a.d}, q.options());
@@ -142,6 +161,7 @@ at::Tensor attend_all(const at::Tensor& q, AttentionArgs& a) {
   const int64_t groups = a.heads / a.kv_heads, items = a.b * a.n * a.heads;
   maybe_parallel(items, 4 * a.length * a.d, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores((a.length + 7) / 8 * 8);
+    std::vector<int64_t> keys;
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t h = item % a.heads, qi = (item / a.heads) % a.n, bi = item / (a.heads * a.n);
       const int64_t g = h / groups;
@@ -153,13 +173,15 @@ at::Tensor attend_all(const at::Tensor& q, AttentionArgs& a) {
       float* op = a.out + (bi * a.n + qi) * a.heads * a.d + h * a.d;
 #ifdef BLOCKSPEC_X86
       if (fast) {
-        scores_avx2(a, qp, kp, vis_row, scores.data());
-        attend_avx2(a, vp, scores.data(), op);
+        scores_avx2(a, qp, kp, scores.data());
+        const int64_t count = gather_visible(vis_row, a.length, scores.data(), keys);
+        attend_avx2(a, vp, scores.data(), keys.empty() ? nullptr : keys.data(), count, op);
         continue;
       }
 #endif
-      scores_portable(a, qp, kp, vis_row, scores.data());
-      attend_portable(a, vp, scores.data(), op);
+      scores_portable(a, qp, kp, scores.data());
+      const int64_t count = gather_visible(vis_row, a.length, scores.data(), keys);
+      attend_portable(a, vp, scores.data(), keys.empty() ? nullptr : keys.data(), count, op);
     }
   });
   return out;

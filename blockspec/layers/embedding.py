@@ -99,10 +99,22 @@ class LMHead(Linear):
         """The best token per row of h [M, H] by `scores`, over the sorted ids `vocab` only when given."""
         if vocab is None:
             return self.scores(h).argmax(dim=-1)
+        return vocab[self.over(vocab).scores(h).argmax(dim=-1)]
+
+    def ranked(self, h: torch.Tensor, k: int, vocab: torch.Tensor | None = None) -> tuple[torch.Tensor,
+                                                                                           torch.Tensor]:
+        """The k best tokens per row of h [M, H] by `scores` (over `vocab` only when given) and their
+        log-probabilities under a softmax of those scores: ([M, k], [M, k]), best first."""
+        head = self if vocab is None else self.over(vocab)
+        logprobs, best = head.scores(h).float().log_softmax(dim=-1).topk(k, dim=-1)
+        return logprobs, best if vocab is None else vocab[best]
+
+    def over(self, vocab: torch.Tensor) -> LMHead:
+        """The head over the sorted ids `vocab` only, built once per form and vocabulary."""
         built = self._subsets
-        if built is None or built[0] is not self.int8 or built[1] is not vocab:  # once per form and vocab
+        if built is None or built[0] is not self.int8 or built[1] is not vocab:
             self._subsets = built = (self.int8, vocab, self.rows(vocab))
-        return vocab[built[2].scores(h).argmax(dim=-1)]
+        return built[2]
 
     def rows(self, ids: torch.Tensor) -> LMHead:
         """A head over the token ids `ids` only (a copy of those rows, in this head's forms)."""

@@ -48,6 +48,24 @@ class ForwardBatch:
         return batch
 
     @classmethod
+    def tree(cls, cache: KVCache, slots: list[int], starts: list[int], input_ids: torch.Tensor,
+             parents: list[tuple[int, ...]]) -> ForwardBatch:
+        """Trees of tokens in the cache: row i's token 0 is its root, written at row starts[i], and token
+        j > 0 hangs under token parents[i][j - 1] < j. A token sees the context and its ancestors only, at
+        position starts[i] + its depth. Tokens past a row's tree are scratch (they see themselves)."""
+        b, width = input_ids.shape
+        seen = torch.eye(width, dtype=torch.bool).repeat(b, 1, 1)
+        depth = torch.ones(b, width, dtype=torch.long)  # scratch tokens at depth 1: any position does
+        for row, links in enumerate(parents):
+            depth[row, 0] = 0
+            for node, parent in enumerate(links, start=1):
+                seen[row, node] |= seen[row, parent]
+                depth[row, node] = depth[row, parent] + 1
+        positions = torch.tensor(starts).view(-1, 1) + depth
+        return cls.in_cache(cache, slots, starts, input_ids, among_new=seen.to(cache.device),
+                            positions=positions.to(cache.device))
+
+    @classmethod
     def standalone(cls, input_ids: torch.Tensor | None, positions: torch.Tensor,
                    among_new: Structure = "causal", context_positions: torch.Tensor | None = None,
                    context_visible: torch.Tensor | None = None) -> ForwardBatch:

@@ -54,3 +54,10 @@ class KVCache:
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
         self._clean_upto[dst] = max(self._clean_upto[dst], length)
+
+    def move_rows(self, slot: int, rows: list[int], first: int) -> None:
+        """Copy rows `rows` of a slot (every layer), in order, to its rows first, first + 1, ..."""
+        src = torch.tensor(rows, device=self.device)
+        dst = torch.arange(first, first + len(rows), device=self.device)
+        self.k[:, slot, :, dst] = self.k[:, slot, :, src]
+        self.v[:, slot, :, dst] = self.v[:, slot, :, src]

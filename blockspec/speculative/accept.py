@@ -9,15 +9,26 @@ differs (or the one after the last candidate) is the bonus. Every committed toke
 the token plain sampled decoding draws at that position with the same seed, so the output has the
 target distribution for any proposer, and a candidate is kept with probability p(candidate), as in
 classic speculative sampling with a deterministic draft.
+
+A tree (tree.py) is judged the same way, walking down from the root: the target's token at a node
+(its argmax, or its keyed draw at that node's depth) selects the child holding that token, and the first
+node without one ends the walk with that token as the bonus. Siblings hold distinct tokens, so every
+committed token is again exactly plain decoding's, whatever the tree.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from blockspec.engine.runner import guarded
 from blockspec.engine.sampler import draw, filtered_probs
 from blockspec.engine.sequence import Sequence
 from blockspec.sampling_params import SamplingParams
+from blockspec.speculative.tree import Tree
+
+Outcome = tuple[list[int], int]  # a tree row's accepted nodes and its bonus
 
 
 def accept(seq: Sequence, candidates: torch.Tensor, host_candidates: torch.Tensor,
@@ -49,3 +60,53 @@ def sampled_accept(drafts: torch.Tensor, target_logits: torch.Tensor, params: Sa
             break
         accepted += 1
     return accepted, drawn[accepted]
+
+
+
+def accept_trees(seqs: list[Sequence], trees: list[Tree],
+                 outputs: Callable[[list[tuple[int, int]]], list[torch.Tensor]]) -> list[Outcome | None]:
+    """Per row, (its accepted nodes, root to leaf, and the bonus), or None where the row failed
+    (`runner.guarded`). `outputs(wanted)` gives the target's outputs (greedy token ids, or fp32 logits [V]
+    for a sampled request) at (row, node) pairs. They are asked for only where the walks go, as an LM head
+    over every node of a large tree costs more than the rest of the step: each round, for every row still
+    walking at a node without its output, that node and the draft's most probable descent from it (one
+    round where the target follows the draft)."""
+    known: list[dict[int, torch.Tensor]] = [{} for _ in trees]
+    walks: dict[int, tuple[int, list[int]]] = {row: (0, []) for row in range(len(trees))}  # (node, path)
+    results: list[Outcome | None] = [None] * len(trees)
+    while walks:
+        wanted = [(row, node) for row, (at, _) in walks.items() for node in trees[row].line(at)
+                  if node not in known[row]]
+        for (row, node), out in zip(wanted, outputs(wanted)):
+            known[row][node] = out
+        for row, (at, path) in list(walks.items()):
+            step = guarded(seqs[row], lambda: walk(seqs[row], trees[row], at, path, known[row]))
+            if step is None or step[2] is not None:  # failed, or ended with its bonus
+                results[row] = None if step is None else (step[1], step[2])
+                del walks[row]
+            else:
+                walks[row] = step[:2]
+    return results
+
+
+def walk(seq: Sequence, tree: Tree, node: int, path: list[int],
+         known: dict[int, torch.Tensor]) -> tuple[int, list[int], int | None]:
+    """Walk on from `node` while the target's outputs are known: (where it stopped, the path so far, and the
+    bonus if it ended)."""
+    while node in known:
+        child, token = descend(seq, tree, node, known[node], len(path))
+        if child is None:
+            return node, path, token
+        path = path + [child]
+        node = child
+    return node, path, None
+
+
+def descend(seq: Sequence, tree: Tree, node: int, output: torch.Tensor, depth: int) -> tuple[int | None, int]:
+    """(the child holding the target's token at a node of this depth, or None, and that token): the
+    target's greedy choice, or its keyed draw at that position."""
+    if seq.params.greedy:
+        token = int(output)
+    else:
+        token = draw(filtered_probs(output.unsqueeze(0), seq.params), seq.seed, seq.next_position + depth)[0]
+    return tree.children[node].get(token), token

@@ -16,11 +16,12 @@ import torch
 
 from blockspec.engine.runner import ModelRunner, guarded
 from blockspec.engine.sequence import Sequence
-from blockspec.speculative.accept import accept
+from blockspec.speculative.accept import accept, accept_trees
 from blockspec.speculative.dflash import MAX_UNFED, DFlashProposer
 from blockspec.speculative.governor import SpecGovernor
 from blockspec.speculative.lookup import lookups
 from blockspec.speculative.plan import Speculation, StepPlan, choose_plan
+from blockspec.speculative.tree import Tree, build_tree
 
 
 class Decoder:
@@ -48,7 +49,7 @@ class Decoder:
         start = time.perf_counter()
         self.run(seqs, plan)
         if self.governor is not None and self.speculation is not None:  # the step ended in a host sync
-            self.governor.record(plan, seqs, self.speculation.block_size, time.perf_counter() - start)
+            self.governor.record(plan, seqs, time.perf_counter() - start)
 
     def plan(self, seqs: list[Sequence]) -> StepPlan:
         spec = self.speculation
@@ -64,46 +65,68 @@ class Decoder:
         runner, device = self.runner, self.runner.device
         starts = [s.num_cached for s in seqs]
 
-        # 1. Propose: each row's candidates [b, width - 1]. The draft first catches up on what plain and
-        #    lookup steps committed since it last ran, for every row: this step's features go straight in.
+        # 1. Propose: each row's candidates [b, width - 1], and with trees each row's tree over them. The
+        #    draft first catches up on what plain and lookup steps committed since it last ran, for every
+        #    row: this step's features go straight in.
         if plan.drafts:
             self.draft.catch_up(seqs)
-        candidates = self.propose(seqs, plan)
+        candidates, trees = self.propose(seqs, plan)
 
-        # 2. Verify: one target pass over [pending, candidates...] per row.
+        # 2. Verify: one target pass over [pending, candidates...] per row (trees: each node seeing its
+        #    ancestors).
         pending = torch.tensor([[s.pending_token] for s in seqs], device=device)
-        hidden, features = runner.target_pass(seqs, torch.cat([pending, candidates], dim=1), plan.capture)
-        targets = runner.target_choices(seqs, hidden)
+        parents = None if trees is None else [tree.parents for tree in trees]
+        hidden, features = runner.target_pass(seqs, torch.cat([pending, candidates], dim=1), plan.capture,
+                                              parents)
 
-        # 3. Accept: per row, the candidates the target keeps and its own token after them.
+        # 3. Accept: per row, the candidates the target keeps (their places in the row) and its own token
+        #    after them. A tree is walked from its root, the target's outputs computed where the walk goes.
         host = candidates.cpu()
-        outcomes = [guarded(seq, lambda: accept(seq, candidates[row, :n], host[row, :n],
-                                                targets[row][: n + 1]))
-                    for row, (seq, n) in enumerate(zip(seqs, plan.judged))]
+        if trees is None:
+            targets = runner.target_choices(seqs, hidden)
+            outcomes = [guarded(seq, lambda: accept_chain(seq, candidates[row, :n], host[row, :n],
+                                                          targets[row]))
+                        for row, (seq, n) in enumerate(zip(seqs, plan.judged))]
+        else:
+            def outputs(wanted: list[tuple[int, int]]) -> list[torch.Tensor]:
+                rows, nodes = [row for row, _ in wanted], [node for _, node in wanted]
+                return runner.target_choices([seqs[row] for row in rows], hidden[rows, nodes])
+
+            outcomes = accept_trees(seqs, trees, outputs)
 
         # 4. Commit: the accepted tokens and the bonus; the cache keeps exactly them (rows past the new
-        #    length are scratch). The draft takes the features now if it ran, else they wait on the sequence.
+        #    length are scratch; a tree's accepted nodes move to consecutive rows first). The draft takes
+        #    the features now if it ran, else they wait on the sequence.
+        paths = [[] if outcome is None else outcome[0] for outcome in outcomes]
+        if trees is not None:
+            runner.keep_paths(seqs, paths)
+            kept = [[0] + path + [0] * (plan.width - 1 - len(path)) for path in paths]
+            features = features.gather(1, torch.tensor(kept, device=device).unsqueeze(-1).expand(
+                -1, -1, features.shape[-1]))
         if plan.drafts:
             runner.inject(seqs, features, starts)
         for row, (seq, outcome) in enumerate(zip(seqs, outcomes)):
             if outcome is None:  # the request failed: it leaves at the end of the step
                 continue
-            accepted, bonus = outcome
-            seq.num_cached += accepted + 1
-            tally(seq, plan.sources[row], accepted + 1, plan.capture)
+            path, bonus = outcome
+            seq.num_cached += len(path) + 1
+            tally(seq, plan.sources[row], len(path) + 1, plan.capture, plan.trees)
             if plan.capture and not plan.drafts:
-                seq.unfed_features.extend(features[row, : accepted + 1].unbind(0))
-            seq.emit(host[row, :accepted].tolist() + [bonus])
+                seq.unfed_features.extend(features[row, : len(path) + 1].unbind(0))
+            seq.emit([int(host[row, node - 1]) for node in path] + [bonus])
         if plan.capture and not plan.drafts and max(len(s.unfed_features) for s in seqs) >= MAX_UNFED:
             self.draft.catch_up(seqs)
 
-    def propose(self, seqs: list[Sequence], plan: StepPlan) -> torch.Tensor:
-        """Candidates [b, width - 1]: the draft's block for drafted rows, the copy for lookup rows, padded
-        with the mask token where a row has fewer than the step's width."""
+    def propose(self, seqs: list[Sequence], plan: StepPlan) -> tuple[torch.Tensor, list[Tree] | None]:
+        """Candidates [b, width - 1]: the draft's block (or a tree's nodes) for drafted rows, the copy for
+        lookup rows, padded with the mask token where a row has fewer than the step's width; with trees, each
+        row's tree (a copy is a chain, a plain row an empty tree)."""
         spec, device = self.speculation, self.runner.device
         drafted = [row for row, source in enumerate(plan.sources) if source == "draft"]
+        if plan.trees:
+            return self.propose_trees(seqs, plan, drafted)
         if plan.kind == "dflash":
-            return self.draft.propose(seqs, spec.block_size)
+            return self.draft.propose(seqs, spec.block_size), None
         pad = spec.mask_token_id if spec else 0
         candidates = torch.full((len(seqs), plan.width - 1), pad, device=device)
         if drafted:
@@ -112,10 +135,28 @@ class Decoder:
         for row, copy in enumerate(plan.copies):
             if copy:
                 candidates[row, : len(copy)] = torch.tensor(copy, device=device)
-        return candidates
+        return candidates, None
+
+    def propose_trees(self, seqs: list[Sequence], plan: StepPlan,
+                      drafted: list[int]) -> tuple[torch.Tensor, list[Tree]]:
+        spec = self.speculation
+        trees = [Tree.chain(list(copy)) for copy in plan.copies]
+        logprobs, ids = self.draft.rank([seqs[r] for r in drafted], spec.block_size, spec.tree_topk)
+        logprobs, ids = logprobs.cpu(), ids.cpu()
+        for i, row in enumerate(drafted):
+            trees[row] = build_tree(logprobs[i], ids[i], plan.shape.tree_budget, spec.tree_rule)
+        rows = [list(tree.tokens) + [spec.mask_token_id] * (plan.width - 1 - tree.size) for tree in trees]
+        return torch.tensor(rows, device=self.runner.device), trees
 
 
-def tally(seq: Sequence, source: str, committed: int, speculative: bool) -> None:
+def accept_chain(seq: Sequence, candidates: torch.Tensor, host: torch.Tensor,
+                 target: torch.Tensor) -> tuple[list[int], int]:
+    """A chain's accepted candidates (their places 1.. in the row) and the bonus."""
+    accepted, bonus = accept(seq, candidates, host, target[: candidates.shape[0] + 1])
+    return list(range(1, accepted + 1)), bonus
+
+
+def tally(seq: Sequence, source: str, committed: int, speculative: bool, tree: bool = False) -> None:
     """Count a committed step in the request's statistics; a plain step of a speculative request (one the
     governor chose) is not a verify step, so the draft's tau stays its own."""
     stats = seq.stats
@@ -123,5 +164,7 @@ def tally(seq: Sequence, source: str, committed: int, speculative: bool) -> None
         stats.lookup_accept_lengths.append(committed)
     elif source == "draft" or not speculative:
         stats.accept_lengths.append(committed)  # plain decoding: one verify step of one token
+        if tree and source == "draft":
+            stats.tree_steps += 1
     else:
         stats.plain_steps += 1

@@ -35,6 +35,15 @@ class DFlashProposer:
 
     def propose(self, seqs: list[Sequence], block_size: int) -> torch.Tensor:
         """block_size - 1 proposed tokens per row [b, B-1] (the rows must have caught up)."""
+        return self.runner.draft_proposals(seqs, self.block(seqs, block_size))
+
+    def rank(self, seqs: list[Sequence], block_size: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each drafted position's k best tokens and their log-probabilities ([b, B-1, k] each, best first),
+        a tree's material (the rows must have caught up)."""
+        return self.runner.draft_ranking(seqs, self.block(seqs, block_size), k)
+
+    def block(self, seqs: list[Sequence], block_size: int) -> torch.Tensor:
+        """[pending, MASK x (B-1)] per row."""
         block = torch.full((len(seqs), block_size), self.mask_token_id, device=self.runner.device)
         block[:, 0] = torch.tensor([s.pending_token for s in seqs], device=self.runner.device)
-        return self.runner.draft_proposals(seqs, block)
+        return block

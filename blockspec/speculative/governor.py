@@ -19,6 +19,10 @@ Prompt lookup (lookup.py) steps are timed too, under their width: when only some
 a context match, `mix` weighs a step at the lookup width (those rows verify their copy, at the all-row
 lookup tau) against a DFlash step at block size B for every row. The governor only estimates; `plan.py`
 turns its answers into a step plan, and it learns from each finished step through `record`.
+
+Where candidate trees are set (tree.py), a drafted step is a chain or a tree, each with its own cost and
+tau: `shape` picks the one expected to commit tokens faster (each is tried first, and the one not chosen
+is probed again after `probe_plain_every` drafted steps), and `speculate` weighs it against a plain step.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from blockspec.engine.sequence import Sequence
-from blockspec.speculative.plan import StepPlan
+from blockspec.speculative.plan import DraftShape, StepPlan
 
 
 @dataclass
@@ -35,9 +39,12 @@ class SpecGovernor:
     tau_alpha: float = 0.1  # weight of the newest accept length in the tau moving averages (noisier)
     probe_spec_every: int = 16
     probe_plain_every: int = 64
-    _seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (width, batch) -> s per step
-    _tau: dict[int, float] = field(default_factory=dict)  # block size -> tau over all sequences (new ones)
+    # (shape, batch) for drafted steps, (width, batch) for plain and lookup steps -> seconds per step
+    _seconds: dict[tuple, float] = field(default_factory=dict)
+    _tau: dict[DraftShape, float] = field(default_factory=dict)  # over all sequences (new ones start here)
     _streak: tuple[bool, int] = (True, 0)  # (kind of the last steps, how many in a row)
+    _drafted: int = 0  # drafted steps so far
+    _last_drafted: dict[DraftShape, int] = field(default_factory=dict)  # shape -> when it last ran
     _lookup_tau: float | None = None  # accept length of a prompt-lookup row, over all rows and sequences
 
     def __post_init__(self) -> None:
@@ -51,14 +58,27 @@ class SpecGovernor:
     def _average(old: float | None, new: float, alpha: float) -> float:
         return new if old is None else old + alpha * (new - old)
 
-    def expected_tau(self, seq: Sequence, block_size: int) -> float | None:
-        return seq.tau_estimate if seq.tau_estimate is not None else self._tau.get(block_size)
+    def expected_tau(self, seq: Sequence, shape: DraftShape) -> float | None:
+        return seq.tau_estimates.get(shape, self._tau.get(shape))
 
-    def speculate(self, seqs: list[Sequence], block_size: int) -> bool:
-        """Whether the next step for this batch should be a DFlash step."""
-        spec = self._seconds.get((block_size, len(seqs)))
+    def shape(self, seqs: list[Sequence], shapes: tuple[DraftShape, ...]) -> DraftShape:
+        """The drafted step (chain or tree) expected to commit tokens fastest for this batch: one not run yet
+        at this batch size, or not for `probe_plain_every` drafted steps, first."""
+        rates = {}
+        for shape in shapes:
+            seconds = self._seconds.get((shape, len(seqs)))
+            taus = [self.expected_tau(s, shape) for s in seqs]
+            stale = self._drafted - self._last_drafted.get(shape, -1 << 30) >= self.probe_plain_every
+            if seconds is None or None in taus or stale:
+                return shape
+            rates[shape] = sum(taus) / seconds
+        return max(shapes, key=rates.get)
+
+    def speculate(self, seqs: list[Sequence], shape: DraftShape) -> bool:
+        """Whether the next step for this batch should be a drafted step of this shape."""
+        spec = self._seconds.get((shape, len(seqs)))
         plain = self._seconds.get((1, len(seqs)))
-        taus = [self.expected_tau(s, block_size) for s in seqs]
+        taus = [self.expected_tau(s, shape) for s in seqs]
         if spec is None or None in taus:
             return True  # not measured yet at this block size / batch size, or a sequence never tried
         if plain is None:
@@ -68,43 +88,45 @@ class SpecGovernor:
             return not kind
         return sum(taus) / len(taus) * plain > spec
 
-    def mix(self, seqs: list[Sequence], copied: list[bool], block_size: int, width: int) -> bool:
+    def mix(self, seqs: list[Sequence], copied: list[bool], shape: DraftShape, width: int) -> bool:
         """Whether a step verifying the copied rows' lookups (`width` rows per sequence, the other rows'
-        draft blocks padded to it) is expected to commit tokens faster than a DFlash step at block_size for
-        all rows. Measures the wide step first where it has no estimate."""
-        wide = self._seconds.get((max(width, block_size), len(seqs)))
-        narrow = self._seconds.get((block_size, len(seqs)))
-        taus = [self.expected_tau(s, block_size) for s in seqs]
+        drafted candidates padded to it) is expected to commit tokens faster than a drafted step of this
+        shape for all rows. Measures the wide step first where it has no estimate."""
+        wide = self._seconds.get((max(width, shape.width), len(seqs)))
+        narrow = self._seconds.get((shape, len(seqs)))
+        taus = [self.expected_tau(s, shape) for s in seqs]
         if wide is None or narrow is None or self._lookup_tau is None or None in taus:
             return True
         mixed = sum(self._lookup_tau if c else tau for c, tau in zip(copied, taus))
         return mixed / wide >= sum(taus) / narrow
 
-    def record(self, plan: StepPlan, seqs: list[Sequence], block_size: int, seconds: float) -> None:
+    def record(self, plan: StepPlan, seqs: list[Sequence], seconds: float) -> None:
         """Fold in a finished step: its wall time, under its kind and width, and the rows' accept lengths."""
         if plan.kind in ("lookup", "mixed"):
-            key = (max(plan.width, block_size), len(seqs))
+            key = (plan.width, len(seqs))
             self._seconds[key] = self._average(self._seconds.get(key), seconds, self.alpha)
             for seq, source in zip(seqs, plan.sources):
                 if source == "lookup":
                     tau = seq.stats.lookup_accept_lengths[-1]
                     self._lookup_tau = self._average(self._lookup_tau, tau, self.tau_alpha)
                 else:
-                    self.fold_tau(seq, block_size)
+                    self.fold_tau(seq, plan.shape)
             return
         speculated = plan.kind == "dflash"
-        key = (block_size if speculated else 1, len(seqs))
+        key = (plan.shape if speculated else 1, len(seqs))
         self._seconds[key] = self._average(self._seconds.get(key), seconds, self.alpha)
         kind, run = self._streak
         self._streak = (speculated, run + 1 if kind == speculated else 1)
         if speculated:
+            self._drafted += 1
+            self._last_drafted[plan.shape] = self._drafted
             for seq in seqs:
-                self.fold_tau(seq, block_size)
+                self.fold_tau(seq, plan.shape)
 
-    def fold_tau(self, seq: Sequence, block_size: int) -> None:
-        """Fold the sequence's last DFlash accept length into its tau estimate and the all-sequence one. Its
+    def fold_tau(self, seq: Sequence, shape: DraftShape) -> None:
+        """Fold the sequence's last drafted accept length into its tau estimate and the all-sequence one. Its
         first step moves it from the all-sequence prior, not to its one noisy sample: one unlucky first block
         would otherwise keep it plain until probes slowly pull it back."""
         tau = seq.stats.accept_lengths[-1]
-        seq.tau_estimate = self._average(self.expected_tau(seq, block_size), tau, self.tau_alpha)
-        self._tau[block_size] = self._average(self._tau.get(block_size), tau, self.tau_alpha)
+        seq.tau_estimates[shape] = self._average(self.expected_tau(seq, shape), tau, self.tau_alpha)
+        self._tau[shape] = self._average(self._tau.get(shape), tau, self.tau_alpha)

@@ -7,8 +7,22 @@ from dataclasses import dataclass
 from typing import Literal
 
 from blockspec.engine.sequence import Sequence
+from blockspec.speculative.tree import TreeRule
 
 Source = Literal["plain", "draft", "lookup"]
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """What a drafted row verifies: its block's chain (tree_budget 0) or a tree of tree_budget nodes."""
+
+    block_size: int
+    tree_budget: int = 0
+
+    @property
+    def width(self) -> int:
+        """Tokens a drafted row verifies, its pending one included."""
+        return self.tree_budget + 1 if self.tree_budget else self.block_size
 
 
 @dataclass
@@ -19,48 +33,63 @@ class Speculation:
     mask_token_id: int
     lookup_ngram: int = 0  # prompt lookup: the shortest context match proposed from (0: off)
     lookup_width: int = 0  # prompt lookup: tokens verified per step, the pending one included
+    tree_budget: int = 0  # candidate trees of this many nodes from the draft's ranking (0: its chain only)
+    tree_topk: int = 4  # a tree's tokens per block position, at most
+    tree_rule: TreeRule = "best-first"
+
+    @property
+    def shapes(self) -> tuple[DraftShape, ...]:
+        """The drafted steps there are to choose from, smallest first: the chain and, where a tree budget N
+        is set, trees of N nodes and of N / 2 and N / 4 (those >= 2)."""
+        n = self.tree_budget
+        budgets = {b for b in (n // 4, n // 2) if b >= 2} | ({n} if n else set())
+        return tuple(DraftShape(self.block_size, b) for b in [0, *sorted(budgets)])
 
     @property
     def step_width(self) -> int:
         """The most rows one decode step writes past a sequence's cache length (its scratch rows)."""
-        return max(self.block_size, self.lookup_width if self.lookup_ngram else 0)
+        return max(max(shape.width for shape in self.shapes), self.lookup_width if self.lookup_ngram else 0)
 
     @property
     def row_counts(self) -> tuple[int, ...]:
         """Rows per sequence of its verify and draft passes (for tuning the CPU weight layouts)."""
-        return (self.block_size, self.lookup_width)
+        return (self.block_size, self.lookup_width, *(shape.width for shape in self.shapes[1:]))
 
 
 @dataclass(frozen=True)
 class StepPlan:
     """One decode step: every row verifies `width` tokens, its pending token plus candidates from its
-    source ("plain": none; "draft": the DFlash draft's block_size - 1; "lookup": its `copies` entry), in one
-    target pass; acceptance looks at the first `judged[row]` of them (a drafted row's block in a wider mixed
-    step is padded). `capture`: the step keeps the target's features for the draft."""
+    source ("plain": none; "draft": the DFlash draft's block_size - 1, or a tree of the draft's top choices
+    by `shape`; "lookup": its `copies` entry), in one target pass; acceptance looks at the first
+    `judged[row]` of them (a drafted row's candidates in a wider mixed step are padded). `capture`: the
+    step keeps the target's features for the draft."""
 
     width: int
     sources: tuple[Source, ...]
     copies: tuple[tuple[int, ...], ...]  # per row: its prompt-lookup candidates (empty unless "lookup")
     judged: tuple[int, ...]
     capture: bool
+    shape: DraftShape | None = None  # what drafted rows verify (None: no row drafts)
 
     @classmethod
     def plain(cls, rows: int, capture: bool) -> StepPlan:
         return cls(1, ("plain",) * rows, ((),) * rows, (0,) * rows, capture)
 
     @classmethod
-    def dflash(cls, rows: int, block_size: int) -> StepPlan:
-        return cls(block_size, ("draft",) * rows, ((),) * rows, (block_size - 1,) * rows, True)
+    def dflash(cls, rows: int, shape: DraftShape) -> StepPlan:
+        return cls(shape.width, ("draft",) * rows, ((),) * rows, (shape.width - 1,) * rows, True, shape)
 
     @classmethod
-    def lookup(cls, copies: list[list[int]], speculation: Speculation) -> StepPlan:
-        """Rows with a copy verify it, the others (if any) their draft block, in one pass wide enough for
-        both."""
-        size, lookup_width = speculation.block_size, speculation.lookup_width
-        width = max(lookup_width, size) if not all(copies) else lookup_width
+    def lookup(cls, copies: list[list[int]], speculation: Speculation,
+               shape: DraftShape | None = None) -> StepPlan:
+        """Rows with a copy verify it, the others (if any) their draft's candidates (`shape`, the chain
+        unless given), in one pass wide enough for both."""
+        shape = shape or speculation.shapes[0]
+        drafted = not all(copies)
+        width = max(speculation.lookup_width, shape.width) if drafted else speculation.lookup_width
         sources = tuple("lookup" if c else "draft" for c in copies)
-        judged = tuple(len(c) if c else size - 1 for c in copies)
-        return cls(width, sources, tuple(tuple(c) for c in copies), judged, True)
+        judged = tuple(len(c) if c else shape.width - 1 for c in copies)
+        return cls(width, sources, tuple(tuple(c) for c in copies), judged, True, shape if drafted else None)
 
     @property
     def kind(self) -> Literal["plain", "dflash", "lookup", "mixed"]:
@@ -74,18 +103,25 @@ class StepPlan:
         """Whether the draft runs this step (it then takes the verified rows' features at once)."""
         return "draft" in self.sources
 
+    @property
+    def trees(self) -> bool:
+        """Whether drafted rows verify trees (the step then runs with tree attention)."""
+        return self.shape is not None and self.shape.tree_budget > 0
+
 
 def choose_plan(seqs: list[Sequence], copies: list[list[int]], speculation: Speculation,
                 governor) -> StepPlan:
     """Prompt lookup where a row's context has a match (its copy is right far more often than the draft);
-    when only some rows have one, a mixed step if the governor expects it to beat a DFlash step for all;
-    otherwise a DFlash step or, where the governor expects speculating not to pay, a plain one (which keeps
-    the target's features, so the draft can catch up later). governor None: always speculate."""
+    when only some rows have one, a mixed step if the governor expects it to beat a drafted step for all;
+    otherwise a drafted step (its chain or its tree, whichever the governor expects to commit tokens faster)
+    or, where the governor expects speculating not to pay, a plain one (which keeps the target's features,
+    so the draft can catch up later). governor None: always speculate, with the tree if one is set."""
+    shapes = speculation.shapes
+    shape = shapes[-1] if governor is None or len(shapes) == 1 else governor.shape(seqs, shapes)
     copied = [bool(c) for c in copies]
-    block_size = speculation.block_size
     if any(copied) and (all(copied) or governor is None
-                        or governor.mix(seqs, copied, block_size, speculation.lookup_width)):
-        return StepPlan.lookup(copies, speculation)
-    if governor is None or governor.speculate(seqs, block_size):
-        return StepPlan.dflash(len(seqs), block_size)
+                        or governor.mix(seqs, copied, shape, speculation.lookup_width)):
+        return StepPlan.lookup(copies, speculation, shape)
+    if governor is None or governor.speculate(seqs, shape):
+        return StepPlan.dflash(len(seqs), shape)
     return StepPlan.plain(len(seqs), capture=True)
