@@ -106,6 +106,27 @@ def test_quantized_target_hidden_states_are_batch_invariant(tmp_path, family):
                 assert torch.equal(block[0, i], alone[i]), (n, i)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_tree_node_is_the_same_bits_as_its_path_decoded_alone(tmp_path, family):
+    """In a tree's verify pass a node's keys (context and ancestors) sit among other branches' rows; its
+    last-layer hidden state still equals, bit for bit, its path's last token decoded alone."""
+    target = load_target(write_tiny_target(tmp_path, family), torch.float32, torch.device("cpu"), "q8_0")
+    cache = KVCache.for_model(target, 1, 64)
+    context = torch.randint(3, target.config.vocab_size, (1, 20), generator=gen(5))
+    # root 0; 1, 2 under it; 3 under 2; 4 under 1; 5 under 3; 6 under 4
+    parents, tokens = (0, 0, 2, 1, 3, 4), torch.tensor([[7, 8, 9, 10, 11, 12, 13]])
+    with torch.inference_mode():
+        target(ForwardBatch.in_cache(cache, [0], [0], context))
+        tree, _ = target(ForwardBatch.tree(cache, [0], [20], tokens, [parents]))
+        for node in range(7):
+            path = [node]
+            while path[0]:
+                path.insert(0, parents[path[0] - 1])
+            for depth, step in enumerate(path):
+                alone, _ = target(ForwardBatch.in_cache(cache, [0], [20 + depth], tokens[:, step : step + 1]))
+            assert torch.equal(tree[0, node], alone[0, 0]), node
+
+
 def test_fused_forward_matches_the_torch_ops(tmp_path, monkeypatch):
     """The same dense target with the fused ops and with torch's ops: equal up to fp32 rounding."""
     target = load_target(write_tiny_target(tmp_path), torch.float32, torch.device("cpu"))

@@ -206,7 +206,7 @@ def print_table(report: dict, out: TextIO | None = None) -> None:
     print(f"\nblockspec bench: {report['dataset']}, {report['num_prompts']} prompts "
           f"({report['num_samples']} timed turns), max_new_tokens={report['max_new_tokens']}, "
           f"temperature={report['temperature']}", file=out)
-    header = (f"{'method':<14}{'tok/s':>9}{'tok/s med':>11}{'TPOT ms':>10}{'TPOT med':>10}{'speedup':>9}"
+    header = (f"{'method':<16}{'tok/s':>9}{'tok/s med':>11}{'TPOT ms':>10}{'TPOT med':>10}{'speedup':>9}"
               f"{'spd med':>9}{'tau':>7}")
     print(header, file=out)
     print("-" * len(header), file=out)
@@ -218,7 +218,7 @@ def print_table(report: dict, out: TextIO | None = None) -> None:
         if name == "ar" and base in PEERS and report.get(f"ar_speedup_vs_{base}") is not None:
             spd = f"{report[f'ar_speedup_vs_{base}']:.2f}x"
             spd_med = f"{report[f'ar_speedup_vs_{base}_median']:.2f}x"
-        print(f"{name + (' (baseline)' if name == base else ''):<14}"
+        print(f"{name + (' (baseline)' if name == base else ''):<16}"
               f"{_fmt(summary['tokens_per_s'], '.2f'):>9}"
               f"{_fmt(summary['tokens_per_s_median'], '.2f'):>11}{_fmt(summary['tpot_ms_mean'], '.1f'):>10}"
               f"{_fmt(summary['tpot_ms_median'], '.1f'):>10}{spd:>9}{spd_med:>9}{'-':>7}", file=out)
@@ -226,32 +226,32 @@ def print_table(report: dict, out: TextIO | None = None) -> None:
         if row.get("dflash_tokens_per_s") is None and row.get("mean_accept_length") is None:
             continue
         s = methods[row["method"]]
-        print(f"{config_label(row):<14}{_fmt(s['tokens_per_s'], '.2f'):>9}"
+        print(f"{config_label(row):<16}{_fmt(s['tokens_per_s'], '.2f'):>9}"
               f"{_fmt(s['tokens_per_s_median'], '.2f'):>11}{_fmt(s['tpot_ms_mean'], '.1f'):>10}"
               f"{_fmt(s['tpot_ms_median'], '.1f'):>10}{_fmt(row['speedup'], '.2f') + 'x':>9}"
               f"{_fmt(row['speedup_median'], '.2f') + 'x':>9}{_fmt(row['mean_accept_length'], '.2f'):>7}",
               file=out)
         for peer, label in PEERS.items():
             if row.get(f"speedup_vs_{peer}") is not None and base != peer:
-                print(f"{'':<14}vs {label}: {row[f'speedup_vs_{peer}']:.2f}x", file=out)
+                print(f"{'':<16}vs {label}: {row[f'speedup_vs_{peer}']:.2f}x", file=out)
         if row.get("speedup_vs_ar") is not None and base in PEERS:
-            print(f"{'':<14}vs our plain decoding: {row['speedup_vs_ar']:.2f}x", file=out)
+            print(f"{'':<16}vs our plain decoding: {row['speedup_vs_ar']:.2f}x", file=out)
         hist = " ".join(f"{k}:{f:.2f}" for k, f in enumerate(row["accept_length_histogram"], 1) if f > 0)
-        print(f"{'':<14}accept-length histogram {hist}", file=out)
+        print(f"{'':<16}accept-length histogram {hist}", file=out)
         if row.get("num_tree_steps"):
-            print(f"{'':<14}{row['num_tree_steps']} of {row['num_verify_steps']} DFlash steps verified "
+            print(f"{'':<16}{row['num_tree_steps']} of {row['num_verify_steps']} DFlash steps verified "
                   f"trees", file=out)
         if row.get("num_plain_steps"):
-            print(f"{'':<14}adaptive speculation: {row['num_verify_steps']} DFlash steps "
+            print(f"{'':<16}adaptive speculation: {row['num_verify_steps']} DFlash steps "
                   f"(tau above is theirs), {row['num_plain_steps']} plain steps", file=out)
         if row.get("num_lookup_steps"):
-            print(f"{'':<14}prompt lookup: {row['num_lookup_steps']} steps, "
+            print(f"{'':<16}prompt lookup: {row['num_lookup_steps']} steps, "
                   f"tau {row['lookup_mean_accept_length']:.2f} (not in the draft's tau above); "
                   f"{row['tokens_per_step']:.2f} tokens per step overall", file=out)
         if row.get("outputs_match") is not None:
             flag = ("" if row["outputs_match"] == 1.0
                     else "   <-- LOSSLESSNESS BUG: DFlash output differs from plain decoding")
-            print(f"{'':<14}outputs_match {row['outputs_match']:.3f}{flag}", file=out)
+            print(f"{'':<16}outputs_match {row['outputs_match']:.3f}{flag}", file=out)
     for note in report["notes"]:
         print(f"note: {note}", file=out)
     m = report["machine"]

@@ -139,6 +139,7 @@ class Decoder:
 
     def propose_trees(self, seqs: list[Sequence], plan: StepPlan,
                       drafted: list[int]) -> tuple[torch.Tensor, list[Tree]]:
+        """Each drafted row's tree from the draft's top-k per position; a copy is a chain."""
         spec = self.speculation
         trees = [Tree.chain(list(copy)) for copy in plan.copies]
         logprobs, ids = self.draft.rank([seqs[r] for r in drafted], spec.block_size, spec.tree_topk)
