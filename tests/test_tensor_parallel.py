@@ -121,25 +121,27 @@ def test_tp2_equals_tp1_and_dflash_stays_lossless(tiny, family):
 
 
 def _launched_rank(rank: int, address: str, settings: dict) -> None:
-    """One rank as torchrun starts it; rank 1's DFlash steps take 50 ms longer, so a governor learning
-    from its own clock would plan plain steps there while rank 0 drafts (and the collectives would
-    mismatch)."""
+    """One rank as torchrun starts it. Rank 1 idles 0.3 s after its governor plans a plain step, outside its
+    own timing, so rank 0, waiting for it inside its first collective, measures plain steps 0.3 s slower:
+    a governor learning from its own clock would then draft on rank 0 while rank 1 (whose random draft
+    rarely pays) steps plainly, and the ranks' passes would no longer match."""
     host, port = address.removeprefix("tcp://").split(":")
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR=host, MASTER_PORT=port)
     if rank == 1:
         from blockspec.speculative.decoder import Decoder
 
-        run = Decoder.run
+        plan = Decoder.plan
 
-        def slow_run(self, seqs, plan):
-            if plan.kind != "plain":
-                time.sleep(0.05)
-            return run(self, seqs, plan)
+        def late_plan(self, seqs):
+            chosen = plan(self, seqs)
+            if chosen.kind == "plain" and self.governor is not None:
+                time.sleep(0.3)
+            return chosen
 
-        Decoder.run = slow_run
+        Decoder.plan = late_plan
     llm = LLM(tp_size=2, **settings)  # rank 1 serves rank 0 in here, then exits
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
     plain = _outputs(llm, params, "NONE")
     assert _outputs(llm, params) == plain
     llm.close()
