@@ -183,8 +183,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(never accepts less than it), then the most probable others (default best-first)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op CPU threads (default: torch's choice; with --tp-size on the CPU, the "
-                        "cores shared out among the ranks)")
+                   help="torch intra-op CPU threads (default: torch's choice; with --tp-size on the CPU, "
+                        "the cores shared out among the ranks)")
     g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
                    help="tensor-parallel ranks: the engine starts them itself, or runs as one of them under "
                         "torchrun (default 1)")

@@ -122,8 +122,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 def check_devices(tp_size: int, device: torch.device) -> None:
     if device.type == "cuda" and tp_size > torch.cuda.device_count():
         raise BlockspecError(f"--tp-size {tp_size} needs {tp_size} CUDA devices (one per rank), but "
-                             f"{torch.cuda.device_count()} are visible. Lower --tp-size or make more devices "
-                             f"visible (CUDA_VISIBLE_DEVICES).")
+                             f"{torch.cuda.device_count()} are visible. Lower --tp-size or make more "
+                             f"devices visible (CUDA_VISIBLE_DEVICES).")
 
 
 def launched() -> bool:

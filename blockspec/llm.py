@@ -123,7 +123,8 @@ class LLM:
             draft_path = None
         self.draft_model_path = draft_path
         gguf = gguf_path() if embedded and self.weight_blocks is not None else None
-        self.target = load_target(self.model_path, self.dtype, self.device, self.weight_blocks, gguf, self.tp)
+        self.target = load_target(self.model_path, self.dtype, self.device, self.weight_blocks, gguf,
+                                  self.tp)
         self.target.fold_norm_weights()
         self.tokenizer = Tokenizer.from_folder(self.model_path)
         self.draft = None

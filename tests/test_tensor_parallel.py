@@ -101,8 +101,8 @@ def _outputs(llm, params, algorithm=None):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_tp2_equals_tp1_and_dflash_stays_lossless(tiny, family):
-    settings = dict(model_path=str(tiny[family]), draft_model_path=str(tiny[f"{family}-draft"]), device="cpu",
-                    adaptive_speculation=False, prompt_lookup_ngram=0, max_model_len=128)
+    settings = dict(model_path=str(tiny[family]), draft_model_path=str(tiny[f"{family}-draft"]),
+                    device="cpu", adaptive_speculation=False, prompt_lookup_ngram=0, max_model_len=128)
     greedy = SamplingParams(max_tokens=16, ignore_eos=True)
     sampled = [SamplingParams(max_tokens=16, temperature=0.8, seed=s, ignore_eos=True) for s in (1, 2, 3)]
     one = LLM(**settings)
@@ -195,8 +195,9 @@ def test_server_at_tp2_answers_and_fails_fast_when_a_rank_dies(tiny):
     port = free_port()
     folder, draft = str(tiny["llama"]), str(tiny["llama-draft"])
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "blockspec", "serve", "--port", str(port), "--tp-size", "2",
-                             "--model-path", folder, "--draft-model-path", draft, "--device", "cpu"],
+    proc = subprocess.Popen([sys.executable, "-m", "blockspec", "serve", "--port", str(port),
+                             "--tp-size", "2", "--model-path", folder, "--draft-model-path", draft,
+                             "--device", "cpu"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120

@@ -20,7 +20,8 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
         self.quant: QuantWeight | None = None  # the table as GGUF blocks instead (use_blocks)
         self.vocab_size = vocab_size
-        self.tp: TPGroup | None = None  # vocabulary-parallel (shard_vocab): this rank holds rows [start, stop)
+        # vocabulary-parallel (shard_vocab): this rank holds rows [start, stop) = vocab_range
+        self.tp: TPGroup | None = None
         self.vocab_range = (0, vocab_size)
 
     def shard_vocab(self, group: TPGroup) -> None:

@@ -93,7 +93,7 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype))
 
     def source(self, name: str) -> Source | None:
-        """The part of checkpoint tensor `name` (one from `checkpoint_tensors`) this rank loads; None: all."""
+        """The part of checkpoint tensor `name` (from `checkpoint_tensors`) this rank loads; None: all."""
         if self.sources is None or (self.parallel == "row" and name.endswith(".bias")):
             return None
         owner = name.rsplit(".", 2)[-2]

@@ -66,8 +66,8 @@ class GGUFCheckpoint:
             else:
                 per_col = data.shape[1] / cols  # bytes (a block type) or values (float) per input
                 if int(kind) in BY_GGML_ID and (start % 32 or length % 32):
-                    raise ModelLoadError(f"{self.source}: {name} cannot be split at input {start} (+{length})"
-                                         f": blocks hold 32 inputs. Use another --tp-size.")
+                    raise ModelLoadError(f"{self.source}: {name} cannot be split at input {start} "
+                                         f"(+{length}): blocks hold 32 inputs. Use another --tp-size.")
                 data = data[:, int(start * per_col) : int((start + length) * per_col)]
                 cols = length
         if heads is not None:  # llama.cpp's row order of q and k: whole rows move, blocks stay intact

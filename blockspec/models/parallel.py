@@ -31,8 +31,8 @@ def check_tp(cfg: ModelConfig, tp_size: int, source: str = "the target") -> None
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     if kv_heads < tp_size and (tp_size % kv_heads or heads % tp_size):
         raise BlockspecError(
-            f"--tp-size {tp_size} cannot split {source}'s attention: num_key_value_heads={kv_heads} is below "
-            f"tp_size, so each KV head is replicated, which needs tp_size to be a multiple of "
+            f"--tp-size {tp_size} cannot split {source}'s attention: num_key_value_heads={kv_heads} is "
+            f"below tp_size, so each KV head is replicated, which needs tp_size to be a multiple of "
             f"num_key_value_heads and to divide num_attention_heads={heads}. Use a --tp-size that divides "
             f"{kv_heads} or a multiple of it that divides {heads}.")
     if cfg.intermediate_size % tp_size:

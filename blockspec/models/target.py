@@ -146,7 +146,8 @@ class CausalLM(nn.Module):
         """The layers' blocks, their types and norm weights for the one-op CPU layer stack
         (blockspec/kernels/layer_stack.cpp), or None where a layer cannot run there (dense or biased
         linears, q/k norms, and under tensor parallelism: the op has no all-reduce between its layers, so
-        the layers run one by one there). Gathered once: the layers hold their weights for good after loading."""
+        the layers run one by one there). Gathered once: the layers hold their weights for good after
+        loading."""
         if "_block_stack" not in self.__dict__:
             linears = [linear for layer in self.layers for linear in (layer.self_attn.qkv_proj,
                        layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]

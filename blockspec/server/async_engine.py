@@ -152,7 +152,8 @@ class AsyncEngine:
         """Under tensor parallelism a failed step means a rank is gone or broken, and the ranks can no
         longer run in lock-step: every request ends with an error now, and the server stops (SIGTERM: the
         graceful shutdown, with nothing left to wait for) instead of hanging on the lost rank."""
-        log.error("tensor-parallel engine step failed (%s: %s); stopping the server", type(exc).__name__, exc)
+        log.error("tensor-parallel engine step failed (%s: %s); stopping the server", type(exc).__name__,
+                  exc)
         self._fail_all(f"the tensor-parallel engine failed ({type(exc).__name__}: {exc}); the server is "
                        f"stopping", shutdown=True)
         self.draining = True
