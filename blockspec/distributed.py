@@ -23,6 +23,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 # Ranks wait for rank 0's next command as long as a server stays idle; a dead peer still fails a
 # collective at once (its sockets close), so this bounds only a peer that hangs while alive.
 IDLE_TIMEOUT = timedelta(days=7)
+OBJECT_HEAD = 1024  # bytes of every `broadcast_object`: most engine steps' commands need no second one
 
 
 @dataclass
@@ -64,21 +65,29 @@ class TPGroup:
         return out.view(self.size, *x.shape)
 
     def broadcast_object(self, obj: object = None) -> object:
-        """Rank 0's `obj` on every rank (pickled; rank 0 keeps its own object)."""
+        """Rank 0's `obj` on every rank (pickled; rank 0 keeps its own object). One broadcast of
+        OBJECT_HEAD bytes (the length, then the start of the pickle: a step's commands fit), a second
+        only for the rest of a longer one."""
         import pickle
 
         device = self.device if self.device.type == "cuda" else torch.device("cpu")
-        size = torch.zeros(1, dtype=torch.long, device=device)
+        head = torch.zeros(OBJECT_HEAD, dtype=torch.uint8, device=device)
         if self.rank == 0:
-            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-            size[0] = payload.numel()
-        self.stats.add("broadcast", 8)
-        dist.broadcast(size, src=0)
-        if self.rank != 0:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-        self.stats.add("broadcast", payload.numel())
-        dist.broadcast(payload, src=0)
-        return obj if self.rank == 0 else pickle.loads(payload.cpu().numpy().tobytes())
+            data = pickle.dumps(obj)
+            payload = torch.frombuffer(bytearray(len(data).to_bytes(8, "little") + data), dtype=torch.uint8)
+            head[: min(OBJECT_HEAD, payload.numel())] = payload[:OBJECT_HEAD].to(device)
+        self.stats.add("broadcast", OBJECT_HEAD)
+        dist.broadcast(head, src=0)
+        size = 8 + int.from_bytes(head[:8].cpu().numpy().tobytes(), "little")
+        if size > OBJECT_HEAD:
+            rest = payload[OBJECT_HEAD:].to(device) if self.rank == 0 else torch.empty(
+                size - OBJECT_HEAD, dtype=torch.uint8, device=device)
+            self.stats.add("broadcast", rest.numel())
+            dist.broadcast(rest, src=0)
+        if self.rank == 0:
+            return obj
+        whole = head[: min(size, OBJECT_HEAD)] if size <= OBJECT_HEAD else torch.cat([head, rest])
+        return pickle.loads(whole[8:].cpu().numpy().tobytes())
 
     def broadcast_float(self, value: float) -> float:
         """Rank 0's number on every rank (a wall-clock measurement all ranks must decide alike on)."""

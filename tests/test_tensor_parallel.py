@@ -88,6 +88,8 @@ def _check_heads(group: TPGroup, rank: int) -> None:
         values = torch.tensor([1.0, 2.0, 2.0]) if rank == 0 else torch.tensor([1.0, 1.0, 2.0])
         ids = torch.tensor([3, 4, 5]) + 50 * rank
         assert best_rank_choice(group, values, ids).tolist() == [3, 4, 5]  # ties: the lowest rank
+    for sent in ([("step", 1)], list(range(3000))):  # within one broadcast, and past its head
+        assert group.broadcast_object(sent if rank == 0 else None) == sent
 
 
 def test_best_rank_choice_equals_a_full_argmax_with_ties():
@@ -155,20 +157,20 @@ def test_ranks_with_different_clocks_decide_alike(tiny):
 
 # ---- the embedded SmolLM2: GGUF blocks split by KV groups (3 over 2 ranks) ------------------------------
 def test_smollm2_tp2_equals_tp1(smollm2_dir):
-    prompts = [[{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci "
-                                            "number."}]]
-    params = SamplingParams(max_tokens=20)
+    """The test prompts of test_smollm2.py, batched (the ranks step both rows together)."""
+    params = SamplingParams(max_tokens=16)
     one = LLM(max_num_seqs=2, max_model_len=512, speculative_algorithm="NONE")
-    want = [o.token_ids for o in one.chat(prompts, params)] + [one.generate("def quicksort(items):",
-                                                                            params)[0].token_ids]
+    question = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci "
+                                            "number."}]
+    prompts = [one.tokenizer.apply_chat_template(question, add_generation_prompt=True),
+               "def quicksort(items):"]
+    want = [o.token_ids for o in one.generate(prompts, params)]
     del one
     two = LLM(tp_size=2, max_num_seqs=2, max_model_len=512)  # the shipped draft, its draft vocabulary
     try:
         assert [two.target.layers[0].self_attn.heads, two.runner.target_cache.k.shape[2]] in ([3, 1], [6, 2])
         for algorithm in ("NONE", "DFLASH"):
-            got = [o.token_ids for o in two.chat(prompts, params, algorithm)]
-            got += [two.generate("def quicksort(items):", params, algorithm)[0].token_ids]
-            assert got == want, algorithm
+            assert [o.token_ids for o in two.generate(prompts, params, algorithm)] == want, algorithm
     finally:
         two.close()
 
