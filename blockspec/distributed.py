@@ -104,7 +104,8 @@ def best_rank_choice(group: TPGroup, values: torch.Tensor, ids: torch.Tensor) ->
     One all-gather: value and id travel together as float64 (exact for fp32/bf16 values and ids < 2^53)."""
     pairs = torch.stack([values.double(), ids.double()], dim=-1)  # [n, 2]
     gathered = group.all_gather(pairs)  # [size, n, 2]
-    best = gathered[..., 0].nan_to_num(nan=-float("inf")).argmax(dim=0)  # first max: the lowest rank
+    # first max: the lowest rank (a NaN counts as the maximum, as in torch.argmax)
+    best = gathered[..., 0].nan_to_num(nan=float("inf")).argmax(dim=0)
     return gathered[..., 1].gather(0, best.unsqueeze(0)).squeeze(0).long()
 
 
@@ -129,6 +130,15 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def check_devices(tp_size: int, device: torch.device) -> None:
+    """One device per rank: a CUDA device, or on the CPU a core (ranks on one core only wait on each
+    other)."""
+    if tp_size == 1:
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", tp_size))
+    cores = os.cpu_count() or 1
+    if device.type == "cpu" and local > cores:
+        raise BlockspecError(f"--tp-size {tp_size} puts {local} ranks on this machine's {cores} CPU cores; "
+                             f"each rank needs a core of its own. Use --tp-size {cores} or fewer.")
     if device.type == "cuda" and tp_size > torch.cuda.device_count():
         raise BlockspecError(f"--tp-size {tp_size} needs {tp_size} CUDA devices (one per rank), but "
                              f"{torch.cuda.device_count()} are visible. Lower --tp-size or make more "

@@ -22,7 +22,7 @@ from blockspec.models.default_model import ensure_default_model, gguf_path
 from blockspec.models.loader import load_draft, load_target
 from blockspec.models.parallel import check_tp
 from blockspec.models.tokenizer import Tokenizer
-from blockspec.ranks import follow, rank_threads, register_close, start_ranks, stop
+from blockspec.ranks import follow, rank_threads, ranks_failed, register_close, start_ranks, stop
 from blockspec.sampling_params import SamplingParams
 from blockspec.speculative.decoder import Decoder
 from blockspec.speculative.governor import SpecGovernor
@@ -95,9 +95,17 @@ class LLM:
         self._threads = torch.get_num_threads()
         try:
             self._build(cfg)
-        except BaseException:
+            error = None
+        except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it before it is raised
+            error = exc
+        except BaseException:  # an interrupt: stop the ranks and go
             self.close()
             raise
+        if group is not None:
+            error = error or ranks_failed(group, error)
+        if error is not None:
+            self.close()
+            raise error
         if group is not None and group.rank == 0:
             register_close(self)
 

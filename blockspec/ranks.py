@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from blockspec.config import EngineConfig
 from blockspec.distributed import TPGroup, free_address, join, launched, leave
 from blockspec.engine.mirror import Mirror
+from blockspec.errors import BlockspecError
 
 log = logging.getLogger("blockspec")
 STOP_SECONDS = 10.0  # how long a closing rank 0 waits for a spawned rank before terminating it
@@ -60,6 +61,21 @@ def rank_main(rank: int, address: str, cfg: EngineConfig) -> None:
     llm = LLM.__new__(LLM)
     llm.build(cfg, group, [])
     follow(llm)
+
+
+def ranks_failed(group: TPGroup, error: Exception | None) -> Exception | None:
+    """Every rank's build outcome, exchanged once loading is over (so no rank waits for one that failed):
+    None if all built, else the first other rank's error, named (a BlockspecError stays one)."""
+    import torch.distributed as dist
+
+    outcomes: list = [None] * group.size
+    mine = None if error is None else (isinstance(error, BlockspecError), f"{type(error).__name__}: {error}")
+    dist.all_gather_object(outcomes, mine)
+    for rank, outcome in enumerate(outcomes):
+        if outcome is not None and rank != group.rank:
+            kind = BlockspecError if outcome[0] else RuntimeError
+            return kind(f"tensor-parallel rank {rank} of {group.size} failed to build its shard: {outcome[1]}")
+    return None
 
 
 def follow(llm) -> None:

@@ -266,5 +266,8 @@ def test_tp_errors_name_the_values_and_the_fix(tiny, monkeypatch):
     down.shard_rows(group, 48, 48)
     with pytest.raises(ModelLoadError, match=r"32-weight block boundaries.*\[48, 96\)"):
         down.use_blocks(quant_type("q4_1"))
+    with pytest.raises(ModelLoadError, match=r"block boundaries.*\[0, 48\)"):  # every rank fails; none hangs
+        LLM(model_path=str(tiny["llama"]), speculative_algorithm="NONE", device="cpu", quantization="q4_1",
+            tp_size=2)
     assert head_split(9, 3, 0, 2) == (0, 3, 0, 1) and head_split(9, 3, 1, 2) == (3, 6, 1, 2)
     assert head_split(8, 2, 3, 4) == (6, 2, 1, 1)  # KV heads replicated: ranks 2 and 3 share KV head 1
