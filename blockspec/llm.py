@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from blockspec.models.default_model import ensure_default_model, gguf_path
 from blockspec.models.loader import load_draft, load_target
 from blockspec.models.parallel import check_tp
 from blockspec.models.tokenizer import Tokenizer
-from blockspec.ranks import follow, rank_threads, ranks_failed, register_close, start_ranks, stop
+from blockspec.ranks import build_together, follow, rank_threads, start_ranks, stop
 from blockspec.sampling_params import SamplingParams
 from blockspec.speculative.decoder import Decoder
 from blockspec.speculative.governor import SpecGovernor
@@ -93,21 +94,9 @@ class LLM:
         self.config, self.tp, self._processes = cfg, group, processes
         self.mirror = Mirror(group) if group is not None else None
         self._threads = torch.get_num_threads()
-        try:
-            self._build(cfg)
-            error = None
-        except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it before it is raised
-            error = exc
-        except BaseException:  # an interrupt: stop the ranks and go
-            self.close()
-            raise
-        if group is not None:
-            error = error or ranks_failed(group, error)
-        if error is not None:
-            self.close()
-            raise error
+        build_together(group, lambda: self._build(cfg), self.close)
         if group is not None and group.rank == 0:
-            register_close(self)
+            atexit.register(self.close)
 
     def _build(self, cfg: EngineConfig) -> None:
         set_threads(rank_threads(cfg))
@@ -223,6 +212,8 @@ class LLM:
 
     def scheduler(self, speculative_algorithm: str | None = None) -> Scheduler:
         """A continuous-batching scheduler over this LLM's engine, decoding with DFlash or plainly."""
+        if self.__dict__.get("_closed"):
+            raise BlockspecError("This tensor-parallel LLM was closed (its ranks stopped); build a new one.")
         algorithm = (speculative_algorithm or self.speculative_algorithm).upper()
         if algorithm not in ALGORITHMS:
             raise BlockspecError(f"speculative_algorithm={speculative_algorithm!r}; use one of "

@@ -8,11 +8,11 @@ usual, and on the other ranks `LLM(...)` serves rank 0 until it closes and then 
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
+from typing import Callable
 
-import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from blockspec.config import EngineConfig
@@ -63,18 +63,35 @@ def rank_main(rank: int, address: str, cfg: EngineConfig) -> None:
     follow(llm)
 
 
+def build_together(group: TPGroup | None, build: Callable[[], None], close: Callable[[], None]) -> None:
+    """Run this rank's `build`; under TP every rank then hears every other's outcome (so none waits for a
+    rank that failed), and a failure anywhere is raised everywhere, after `close`."""
+    try:
+        build()
+        error = None
+    except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it before it is raised
+        error = exc
+    except BaseException:  # an interrupt: stop the ranks and go
+        close()
+        raise
+    if group is not None:
+        error = error or ranks_failed(group, error)
+    if error is not None:
+        close()
+        raise error
+
+
 def ranks_failed(group: TPGroup, error: Exception | None) -> Exception | None:
     """Every rank's build outcome, exchanged once loading is over (so no rank waits for one that failed):
     None if all built, else the first other rank's error, named (a BlockspecError stays one)."""
-    import torch.distributed as dist
-
     outcomes: list = [None] * group.size
     mine = None if error is None else (isinstance(error, BlockspecError), f"{type(error).__name__}: {error}")
     dist.all_gather_object(outcomes, mine)
     for rank, outcome in enumerate(outcomes):
         if outcome is not None and rank != group.rank:
             kind = BlockspecError if outcome[0] else RuntimeError
-            return kind(f"tensor-parallel rank {rank} of {group.size} failed to build its shard: {outcome[1]}")
+            return kind(f"tensor-parallel rank {rank} of {group.size} failed to build its shard: "
+                        f"{outcome[1]}")
     return None
 
 
@@ -102,10 +119,6 @@ def follow(llm) -> None:
         leave()
 
 
-def register_close(llm) -> None:
-    atexit.register(llm.close)
-
-
 def stop(group: TPGroup, mirror: Mirror, processes: list) -> None:
     """Rank 0: tell the other ranks to stop, leave the group, and wait for the ranks it spawned."""
     try:
@@ -122,7 +135,3 @@ def stop_processes(processes: list) -> None:
         if process.is_alive():
             process.terminate()
             process.join(timeout=STOP_SECONDS)
-
-
-def restore_threads(threads: int) -> None:
-    torch.set_num_threads(threads)

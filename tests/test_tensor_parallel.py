@@ -104,7 +104,8 @@ def _outputs(llm, params, algorithm=None):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_tp2_equals_tp1_and_dflash_stays_lossless(tiny, family):
     settings = dict(model_path=str(tiny[family]), draft_model_path=str(tiny[f"{family}-draft"]),
-                    device="cpu", adaptive_speculation=False, prompt_lookup_ngram=0, max_model_len=128)
+                    device="cpu", adaptive_speculation=False, prompt_lookup_ngram=0, max_model_len=128,
+                    max_total_tokens=48)  # a KV budget the three requests outgrow: preemption too
     greedy = SamplingParams(max_tokens=16, ignore_eos=True)
     sampled = [SamplingParams(max_tokens=16, temperature=0.8, seed=s, ignore_eos=True) for s in (1, 2, 3)]
     one = LLM(**settings)
@@ -112,12 +113,19 @@ def test_tp2_equals_tp1_and_dflash_stays_lossless(tiny, family):
     two = LLM(tp_size=2, **settings)
     try:
         assert two.target.layers[0].self_attn.qkv_proj.parallel == "column"
+        scheduler = two.scheduler("NONE")
+        for prompt in PROMPTS:
+            scheduler.add(two.sequence(prompt, greedy))
+        while scheduler.has_work:
+            scheduler.step()
+        assert scheduler.num_preemptions > 0
         assert _outputs(two, greedy, "NONE") == want
         assert _outputs(two, sampled, "NONE") == want_sampled
         for block_size in (2, 4, 8):
             two.set_block_size(block_size)
             assert _outputs(two, greedy) == want
-            assert _outputs(two, sampled) == want_sampled
+            if block_size == 4:  # sampled: "sample, then match", whatever the block size (test_seeds.py)
+                assert _outputs(two, sampled) == want_sampled
     finally:
         two.close()
 
