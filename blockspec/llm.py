@@ -209,6 +209,8 @@ class LLM:
             )
         self.speculation.tree_budget = budget
         self.runner.tune_layouts(self.speculation.row_counts)
+        if self.mirror is not None and self.tp.rank == 0:
+            self.mirror.record("tree_budget", budget)
 
     def scheduler(self, speculative_algorithm: str | None = None) -> Scheduler:
         """A continuous-batching scheduler over this LLM's engine, decoding with DFlash or plainly."""

@@ -113,6 +113,8 @@ def follow(llm) -> None:
                     schedulers[args[0]].step()
                 elif name == "block_size":
                     llm.set_block_size(args[0])
+                elif name == "tree_budget":
+                    llm.set_tree_budget(args[0])
     except RuntimeError as exc:  # rank 0 (or another rank) is gone: nothing left to serve
         log.error("tensor-parallel rank %d stops: %s", llm.tp.rank, exc)
     finally:

@@ -81,6 +81,10 @@ def _check_heads(group: TPGroup, rank: int) -> None:
         assert torch.equal(head.greedy(h), full.argmax(dim=-1))
         head.int8 = None  # (its proposal scores are approximate: the exact ties below need fp32's)
         assert torch.equal(head.logits(h), full)
+        logprobs, top = head.ranked(h, 3)  # a tree's top-k: each rank's k best and log-sum-exp, gathered
+        want = full.log_softmax(dim=-1).topk(3, dim=-1).values
+        assert torch.allclose(logprobs, want, atol=1e-5)
+        assert torch.equal(full.gather(-1, top), full.topk(3, dim=-1).values)  # tied ids in either order
         ids = torch.tensor([0, 5, 7, 10, 47, 48, 49, 60, 90])
         assert torch.equal(embed(ids), weight[ids])
         subset = torch.tensor([5, 7, 48, 49, 60]) if vocab == 97 else torch.tensor([1, 2, 3])  # rank 1: none
@@ -105,7 +109,8 @@ def _outputs(llm, params, algorithm=None):
 def test_tp2_equals_tp1_and_dflash_stays_lossless(tiny, family):
     settings = dict(model_path=str(tiny[family]), draft_model_path=str(tiny[f"{family}-draft"]),
                     device="cpu", adaptive_speculation=False, prompt_lookup_ngram=0, max_model_len=128,
-                    max_total_tokens=48)  # a KV budget the three requests outgrow: preemption too
+                    max_total_tokens=48,  # a KV budget the three requests outgrow: preemption too
+                    speculative_tree_budget=6)
     greedy = SamplingParams(max_tokens=16, ignore_eos=True)
     sampled = [SamplingParams(max_tokens=16, temperature=0.8, seed=s, ignore_eos=True) for s in (1, 2, 3)]
     one = LLM(**settings)
@@ -121,11 +126,14 @@ def test_tp2_equals_tp1_and_dflash_stays_lossless(tiny, family):
         assert scheduler.num_preemptions > 0
         assert _outputs(two, greedy, "NONE") == want
         assert _outputs(two, sampled, "NONE") == want_sampled
+        two.set_tree_budget(0)  # chains first (the slabs were sized for the tree below)
         for block_size in (2, 4, 8):
             two.set_block_size(block_size)
             assert _outputs(two, greedy) == want
             if block_size == 4:  # sampled: "sample, then match", whatever the block size (test_seeds.py)
                 assert _outputs(two, sampled) == want_sampled
+        two.set_tree_budget(6)  # trees from each rank's top-k, gathered (at block size 8)
+        assert _outputs(two, greedy) == want and _outputs(two, sampled) == want_sampled
     finally:
         two.close()
 

@@ -1,9 +1,10 @@
 """How tensor-parallel ranks stay in step: rank 0 is the engine a user (or the server) drives; every other
-rank replays, in order, what changed the engine's shared state on rank 0 between steps (a scheduler made,
-requests added and aborted, a block size set), then runs the same step. Everything else a step decides
-follows from that state alone (admission, preemption, prompt lookup, keyed random draws), from values all
-ranks share after a collective (greedy choices, gathered logits), or is broadcast from rank 0 (the
-governor's wall-clock step times), so no rank can decide differently.
+rank replays, in order, what changed the engine's shared state on rank 0 between steps (a scheduler
+made, requests added and aborted, a block size or tree budget set), then runs the same step. Everything
+else a step decides follows from that state alone (admission, preemption, prompt lookup, keyed random
+draws), from values all ranks share after a collective (greedy choices, gathered logits, a tree's ranked
+candidates), or is broadcast from rank 0 (the governor's wall-clock step times), so no rank can decide
+differently.
 """
 
 from __future__ import annotations
