@@ -20,7 +20,7 @@ FLAGS = {"max_num_seqs": "--max-running-requests", "max_total_tokens": "--max-to
          "prefill_tokens_per_step": "--prefill-tokens-per-step", "max_model_len": "--max-model-len",
          "threads": "--threads", "block_size": "--block-size", "mask_token_id": "--mask-token-id",
          "seed": "--seed", "speculative_tree_budget": "--speculative-tree-budget",
-         "speculative_tree_topk": "--speculative-tree-topk"}
+         "speculative_tree_topk": "--speculative-tree-topk", "tp_size": "--tp-size"}
 MAX_TREE_BUDGET = 64
 TREE_RULES = ("best-first", "spine-first")
 
@@ -55,7 +55,10 @@ class EngineConfig:
     speculative_tree_budget: int = 0  # candidate trees of this many nodes (0: the draft's chain only)
     speculative_tree_topk: int = 4  # a tree's tokens per block position, at most
     speculative_tree_rule: str = "best-first"  # or "spine-first": the draft's chain, then the best others
-    threads: int | None = None  # torch intra-op CPU threads (None: torch's choice)
+    threads: int | None = None  # torch intra-op CPU threads (None: torch's choice; under TP on the CPU:
+    # the cores shared out among this machine's ranks)
+    tp_size: int = 1  # tensor-parallel ranks (blockspec/distributed.py)
+    tp_backend: str = "auto"  # torch.distributed backend: auto (gloo on the CPU, NCCL on CUDA), gloo, nccl
 
     def __post_init__(self) -> None:
         import torch
@@ -104,7 +107,7 @@ class EngineConfig:
             raise BlockspecError(f"speculative_tree_rule={self.speculative_tree_rule!r} "
                                  f"(--speculative-tree-rule) must be one of {', '.join(TREE_RULES)}.")
         for name in ("max_num_seqs", "max_total_tokens", "prefill_tokens_per_step", "max_model_len",
-                     "threads"):
+                     "threads", "tp_size"):
             value = getattr(self, name)
             if value is not None and not _positive(value):
                 raise BlockspecError(f"{name}={value!r} ({FLAGS[name]}) must be an integer >= 1.")
@@ -113,6 +116,10 @@ class EngineConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise BlockspecError(f"{name}={value!r} ({FLAGS[name]}) must be an integer.")
 
+        from blockspec.distributed import check_devices, resolve_backend
+
+        resolve_backend(self.tp_backend, device)
+        check_devices(self.tp_size, device)
         ratio = self.prefill_decode_ratio
         if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
                                   or not 0 <= ratio <= 1e6):
@@ -176,7 +183,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(never accepts less than it), then the most probable others (default best-first)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op CPU threads (default: torch's choice)")
+                   help="torch intra-op CPU threads (default: torch's choice; with --tp-size on the CPU, "
+                        "the cores shared out among the ranks)")
+    g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
+                   help="tensor-parallel ranks: the engine starts them itself, or runs as one of them under "
+                        "torchrun (default 1)")
+    g.add_argument("--tp-backend", choices=["auto", "gloo", "nccl"], default="auto",
+                   help="torch.distributed backend for --tp-size > 1 (auto: gloo on the CPU, NCCL on CUDA)")
 
 
 def add_serving_args(p: argparse.ArgumentParser, default_running: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,14 +11,19 @@ import torch
 
 from blockspec.config import ALGORITHMS, EngineConfig
 from blockspec.device import set_threads
+from blockspec.distributed import TPGroup
+from blockspec.engine.mirror import Mirror
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler, run_to_completion
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.stats import RequestStats
 from blockspec.errors import BlockspecError, DraftConfigError, RequestError
+from blockspec.models.config import ModelConfig
 from blockspec.models.default_model import ensure_default_model, gguf_path
 from blockspec.models.loader import load_draft, load_target
+from blockspec.models.parallel import check_tp
 from blockspec.models.tokenizer import Tokenizer
+from blockspec.ranks import build_together, follow, rank_threads, start_ranks, stop
 from blockspec.sampling_params import SamplingParams
 from blockspec.speculative.decoder import Decoder
 from blockspec.speculative.governor import SpecGovernor
@@ -66,16 +72,40 @@ class LLM:
         if config is not None and settings:
             raise BlockspecError(f"LLM: pass an EngineConfig or settings, not both (got "
                                  f"{sorted(settings)}).")
-        cfg = self.config = config if config is not None else EngineConfig(**settings)
-        set_threads(cfg.threads)
+        cfg = config if config is not None else EngineConfig(**settings)
+        group, processes = None, []
+        if cfg.tp_size > 1:
+            check_tp(ModelConfig.from_folder(self.target_folder(cfg)), cfg.tp_size)  # before any rank starts
+            group, processes = start_ranks(cfg)
+        self.build(cfg, group, processes)
+        if group is not None and group.rank != 0:  # a launcher's rank > 0: serve rank 0, then exit
+            follow(self)
+            raise SystemExit(0)
+
+    @staticmethod
+    def target_folder(cfg: EngineConfig) -> Path:
+        # The embedded model's own GGUF blocks need only its config and tokenizer converted, not its weights.
+        embedded = cfg.model_path is None
+        return Path(cfg.model_path) if not embedded else ensure_default_model(
+            weights=cfg.weight_blocks(embedded) is None)
+
+    def build(self, cfg: EngineConfig, group: TPGroup | None, processes: list) -> None:
+        """This rank's engine: its shard of the target (all of it without `group`), the draft, the runner."""
+        self.config, self.tp, self._processes = cfg, group, processes
+        self.mirror = Mirror(group) if group is not None else None
+        self._threads = torch.get_num_threads()
+        build_together(group, lambda: self._build(cfg), self.close)
+        if group is not None and group.rank == 0:
+            atexit.register(self.close)
+
+    def _build(self, cfg: EngineConfig) -> None:
+        set_threads(rank_threads(cfg))
         if cfg.seed is not None:
             torch.manual_seed(cfg.seed)
-        self.device, self.dtype = cfg.device, cfg.dtype
+        self.device, self.dtype = (cfg.device if self.tp is None else self.tp.device), cfg.dtype
         embedded = cfg.model_path is None
         self.weight_blocks = cfg.weight_blocks(embedded)  # None: dense weights
-        # The embedded model's own GGUF blocks need only its config and tokenizer converted, not its weights.
-        self.model_path = Path(cfg.model_path) if cfg.model_path else ensure_default_model(
-            weights=self.weight_blocks is None)
+        self.model_path = self.target_folder(cfg)
         draft_path = cfg.draft_model_path
         if draft_path is None and cfg.model_path is None and cfg.speculative_algorithm != "NONE" \
                 and DEFAULT_DRAFT.is_dir():
@@ -90,7 +120,8 @@ class LLM:
             draft_path = None
         self.draft_model_path = draft_path
         gguf = gguf_path() if embedded and self.weight_blocks is not None else None
-        self.target = load_target(self.model_path, self.dtype, self.device, self.weight_blocks, gguf)
+        self.target = load_target(self.model_path, self.dtype, self.device, self.weight_blocks, gguf,
+                                  self.tp)
         self.target.fold_norm_weights()
         self.tokenizer = Tokenizer.from_folder(self.model_path)
         self.draft = None
@@ -133,6 +164,16 @@ class LLM:
             governor = SpecGovernor() if cfg.adaptive_speculation else None
             self.decoders["DFLASH"] = Decoder(self.runner, self.speculation, governor)
         self.stop_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(target_cfg.eos_token_ids)
+        self._schedulers = 0
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (rank 0; also at exit). Nothing to do on one rank."""
+        if self.__dict__.get("tp") is None or self.__dict__.get("_closed"):
+            return
+        self._closed = True
+        if self.tp.rank == 0:
+            stop(self.tp, self.mirror, self._processes)
+        set_threads(self._threads)
 
     @property
     def block_size(self) -> int:
@@ -152,6 +193,8 @@ class LLM:
             )
         self.speculation.block_size = block_size
         self.runner.tune_layouts(self.speculation.row_counts)
+        if self.mirror is not None and self.tp.rank == 0:
+            self.mirror.record("block_size", block_size)
 
     def set_tree_budget(self, budget: int) -> None:
         """Verify candidate trees of `budget` nodes from now on (0: the chain only); the KV slabs were sized
@@ -166,17 +209,26 @@ class LLM:
             )
         self.speculation.tree_budget = budget
         self.runner.tune_layouts(self.speculation.row_counts)
+        if self.mirror is not None and self.tp.rank == 0:
+            self.mirror.record("tree_budget", budget)
 
     def scheduler(self, speculative_algorithm: str | None = None) -> Scheduler:
         """A continuous-batching scheduler over this LLM's engine, decoding with DFlash or plainly."""
+        if self.__dict__.get("_closed"):
+            raise BlockspecError("This tensor-parallel LLM was closed (its ranks stopped); build a new one.")
         algorithm = (speculative_algorithm or self.speculative_algorithm).upper()
         if algorithm not in ALGORITHMS:
             raise BlockspecError(f"speculative_algorithm={speculative_algorithm!r}; use one of "
                                  f"{ALGORITHMS}.")
         if algorithm not in self.decoders:
             raise DraftConfigError("DFLASH was requested but this LLM was built without a draft model.")
+        mirror = None
+        if self.mirror is not None and self.tp.rank == 0:  # the other ranks make its twin
+            self._schedulers += 1
+            mirror = (self.mirror, self._schedulers)
+            self.mirror.record("scheduler", self._schedulers, algorithm)
         return Scheduler(self.runner, self.decoders[algorithm], self.config.max_total_tokens,
-                         self.config.prefill_tokens_per_step, self.config.prefill_decode_ratio)
+                         self.config.prefill_tokens_per_step, self.config.prefill_decode_ratio, mirror)
 
     def sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """A request, its prompt checked against the vocabulary and the context length."""

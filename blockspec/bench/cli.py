@@ -184,7 +184,8 @@ def run_bench_command(args: argparse.Namespace) -> None:
         "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
         "model_path": str(llm.model_path), "draft_model_path": llm.draft_model_path,
         "adaptive_speculation": has_draft and llm.config.adaptive_speculation,
-        "quantization": llm.weight_blocks or "none",
+        "quantization": llm.weight_blocks or "none", "tp_size": llm.config.tp_size,
+        "tp_communication": llm.tp.stats.snapshot() if llm.tp is not None else None,  # rank 0's, whole run
         "prompt_lookup_ngram": lookup.lookup_ngram if lookup else None,
         "prompt_lookup_block_size": lookup.lookup_width if lookup else None,
         "speculative_tree_topk": llm.speculation.tree_topk if has_draft else None,

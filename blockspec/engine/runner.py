@@ -55,6 +55,7 @@ class ModelRunner:
         self.draft_cache = KVCache.for_model(draft, num_slots, max_len) if draft is not None else None
         self.capture = tuple(draft.config.target_layer_ids) if draft is not None else ()
         self.device = target.device
+        self.tp = target.tp  # tensor parallelism's group (None: one rank)
         if draft is not None and draft.embed_tokens is None:
             draft.use_target_embedding(target.embed_tokens)
         self.tune_layouts(row_counts)
@@ -66,6 +67,8 @@ class ModelRunner:
         if (self.device.type != "cpu" or self.target.dtype != torch.float32
                 or self.target.lm_head.quant is not None):
             return  # the forms are for dense fp32 CPU weights (blocks have one kernel)
+        if self.tp is not None:
+            return  # timing passes would run collectives outside the ranks' lock-step: stored forms
         position = min(256, self.max_len - max((DEFAULT_PROBE_ROWS, *row_counts)))  # a typical context
         if self.pool.num_free == 0 or position < 0:
             return  # no free scratch slot to time in (set mid-generation): keep the last plan

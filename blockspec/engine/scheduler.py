@@ -45,6 +45,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Protocol
 
+from blockspec.engine.mirror import Mirror
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
 from blockspec.errors import RequestError
@@ -74,10 +75,14 @@ class Scheduler:
         max_total_tokens: int | None = None,
         prefill_tokens_per_step: int | None = None,
         prefill_decode_ratio: float | None = None,
+        mirror: tuple[Mirror, int] | None = None,
     ) -> None:
         """`prefill_decode_ratio`: while requests decode, prefill tokens per step per decoded row (None:
-        DEFAULT_PREFILL_DECODE_RATIO; 0: no sharing, every step prefills prefill_tokens_per_step)."""
+        DEFAULT_PREFILL_DECODE_RATIO; 0: no sharing, every step prefills prefill_tokens_per_step).
+        `mirror`: on tensor-parallel rank 0, the channel its adds, aborts and steps go through to the other
+        ranks' copies of this scheduler, and this scheduler's number there (engine/mirror.py)."""
         self.runner, self.decoder = runner, decoder
+        self.mirror = mirror
         self.width = decoder.step_width
         capacity = runner.pool.num_slots * runner.max_len
         if max_total_tokens is not None and (
@@ -132,9 +137,13 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.check(seq)
         self.waiting.append(seq)
+        if self.mirror is not None:
+            self.mirror[0].record("add", self.mirror[1], seq)
 
     def abort(self, seq_id: int, reason: str = "abort") -> Sequence | None:
         """Stop a request now (between steps) and free its slot; returns it, or None if unknown/finished."""
+        if self.mirror is not None:
+            self.mirror[0].record("abort", self.mirror[1], seq_id, reason)
         for i, seq in enumerate(self.waiting):
             if seq.seq_id == seq_id:
                 del self.waiting[i]
@@ -151,6 +160,8 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Admit, prefill, decode once; returns the sequences that ran this step (finished ones included)."""
+        if self.mirror is not None:
+            self.mirror[0].publish("step", self.mirror[1])
         self._retire()
         self._make_room()
         self._admit()

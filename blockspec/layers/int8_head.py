@@ -56,6 +56,10 @@ class Int8ArgmaxHead:
 
     def argmax(self, h: torch.Tensor) -> torch.Tensor:
         """The exact fp32 argmax of h @ weight.T for h [M, H] (fp32), as token ids [M]."""
+        return self.best(h)[1]
+
+    def best(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact fp32 maximum of h @ weight.T per row of h [M, H] (fp32) and its token id."""
         approx = self.scores(h).float()
         bound = h.abs().sum(dim=-1, keepdim=True) * self.bound_scale + approx.abs() * 2.0**-8
         best_low = (approx - bound).amax(dim=-1, keepdim=True)
@@ -63,4 +67,5 @@ class Int8ArgmaxHead:
         # the union of all rows' candidates leaves each row's argmax unchanged.
         candidates = (approx + bound >= best_low).any(dim=0).nonzero().squeeze(1)
         exact = h @ self.weight[candidates].t()
-        return candidates[exact.argmax(dim=-1)]
+        best = exact.argmax(dim=-1)
+        return exact.gather(-1, best.unsqueeze(-1)).squeeze(-1), candidates[best]

@@ -32,11 +32,11 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model, num_slots: int, max_len: int) -> KVCache:
-        """A cache for `model` (a target or a draft: its config's layer count, KV heads and head size, in its
-        dtype on its device)."""
+        """A cache for `model` (a target or a draft: its config's layer count and head size, the KV heads its
+        layers hold (this rank's, under tensor parallelism), in its dtype on its device)."""
         cfg = model.config
-        return cls(cfg.num_hidden_layers, num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim,
-                   model.dtype, model.device)
+        return cls(cfg.num_hidden_layers, num_slots, max_len, model.layers[0].self_attn.kv_heads,
+                   cfg.head_dim, model.dtype, model.device)
 
     def prepare(self, slots: list[int], length: int) -> None:
         """Zero each row below `length` of these slots that no forward has touched yet. Batched attention

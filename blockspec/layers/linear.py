@@ -10,8 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockspec.distributed import TPGroup
+from blockspec.errors import ModelLoadError
 from blockspec.layers.layout import Layout
-from blockspec.layers.quant import Blocks, QuantType, QuantWeight
+from blockspec.layers.quant import BLOCK, Blocks, QuantType, QuantWeight
+
+# A checkpoint tensor's part this rank loads: (dim, start, length, the tensor's full size along dim).
+Source = tuple[int, int, int, int]
 
 
 class Linear(nn.Module):
@@ -35,6 +40,11 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
         self.quant: QuantWeight | None = None  # the weight as GGUF blocks instead (use_blocks)
         self.layout: Layout | None = None  # the CPU GEMM forms chosen for inference (set_layouts)
+        # Tensor parallelism (shard_columns / shard_rows): this rank's group, and the part of each fused
+        # checkpoint tensor it holds.
+        self.tp: TPGroup | None = None
+        self.parallel: str | None = None  # "column" (outputs split) or "row" (inputs split, all-reduced)
+        self.sources: list[Source] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -46,9 +56,48 @@ class Linear(nn.Module):
 
     def use_blocks(self, qtype: QuantType) -> None:
         """Hold the weight as `qtype` blocks from now on (before loading it): a CPU inference form."""
+        if self.parallel == "row":
+            _, start, length, full = self.sources[0]
+            if start % BLOCK or length % BLOCK:
+                raise ModelLoadError(
+                    f"Tensor parallelism splits a {qtype.name} weight's {full} inputs on {BLOCK}-weight "
+                    f"block boundaries, but rank {self.tp.rank} of {self.tp.size} would hold inputs "
+                    f"[{start}, {start + length}). Use a --tp-size whose parts are multiples of {BLOCK}, or "
+                    f"--quantization none.")
         self.quant = QuantWeight(self.out_features, self.in_features, qtype)
         self.weight = None
         self.layout = None
+
+    # ---- tensor parallelism (before loading) ---------------------------------------------------------
+    def shard_columns(self, group: TPGroup, parts: Sequence[tuple[int, int]]) -> None:
+        """Column-parallel: hold only the output rows parts[i] = (start, length) of each fused part i (its
+        checkpoint tensor's rows); outputs stay split (the next layer takes them as they are)."""
+        self.sources = [(0, start, length, full) for (start, length), full in zip(parts, self.shards)]
+        self.shards = [length for _, length in parts]
+        self._reshape(group, "column", self.in_features, sum(self.shards))
+
+    def shard_rows(self, group: TPGroup, start: int, length: int) -> None:
+        """Row-parallel: hold only input columns [start, start + length); each rank's partial product is
+        summed by an all-reduce (the bias and residual are added on rank 0 only)."""
+        self.sources = [(1, start, length, self.in_features)] * len(self.shards)
+        self._reshape(group, "row", length, self.out_features)
+
+    def _reshape(self, group: TPGroup, parallel: str, in_features: int, out_features: int) -> None:
+        if self.quant is not None or self.layout is not None:
+            raise ValueError("Linear: shard a layer before choosing its storage or loading it.")
+        self.tp, self.parallel = group, parallel
+        self.in_features, self.out_features = in_features, out_features
+        dtype = self.weight.dtype
+        self.weight = nn.Parameter(torch.empty(in_features, out_features, dtype=dtype).t())
+        if self.bias is not None and parallel == "column":
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype))
+
+    def source(self, name: str) -> Source | None:
+        """The part of checkpoint tensor `name` (from `checkpoint_tensors`) this rank loads; None: all."""
+        if self.sources is None or (self.parallel == "row" and name.endswith(".bias")):
+            return None
+        owner = name.rsplit(".", 2)[-2]
+        return self.sources[0 if self.shard_names is None else self.shard_names.index(owner)]
 
     # ---- weights ----------------------------------------------------------------------------------
     def checkpoint_tensors(self, path: str) -> dict[str, torch.Tensor]:
@@ -102,15 +151,23 @@ class Linear(nn.Module):
     # ---- compute ----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ b), plus `residual` if given (a residual stream's add, inside the kernel when the
-        weight is held as blocks)."""
+        weight is held as blocks). Row-parallel: the sum of every rank's part."""
+        if self.parallel != "row":
+            return self._product(x, self.bias, residual)
+        if self.tp.rank == 0:
+            return self.tp.all_reduce(self._product(x, self.bias, residual))
+        return self.tp.all_reduce(self._product(x, None, None))
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None,
+                 residual: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:
-            if self.bias is None:
+            if bias is None:
                 return self.quant.matmul(x, residual)
-            out = self.quant.matmul(x) + self.bias
-        elif self.layout is not None and not torch.is_grad_enabled():
+            out = self.quant.matmul(x) + bias
+        elif self.layout is not None and bias is self.bias and not torch.is_grad_enabled():
             out = self.layout(x)
         else:
-            out = F.linear(x, self.weight, self.bias)
+            out = F.linear(x, self.weight, bias)
         return out if residual is None else residual + out
 
     def forward_shards(self, x: torch.Tensor, first: int) -> torch.Tensor:

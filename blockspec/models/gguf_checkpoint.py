@@ -48,19 +48,34 @@ class GGUFCheckpoint:
                 f"to run it dequantized in fp32, or --quantization q8_0 to requantize it.")
         return BY_GGML_ID[int(kind)]
 
-    def get(self, name: str) -> torch.Tensor | Blocks:
+    def get(self, name: str, source: tuple[int, int, int, int] | None = None) -> torch.Tensor | Blocks:
+        """The tensor, or only its part `source` (dim, start, length, full; a tensor-parallel rank's): rows
+        of blocks, or inputs on block boundaries (whole blocks), read from the memory-mapped file."""
         import gguf
 
         tensor = self._tensors[name]
         data, kind = np.asarray(tensor.data), tensor.tensor_type
         heads = next((n for part, n in self._heads.items() if part in tensor.name), None)
+        cols = self.shape(name)[-1]
+        if source is not None:
+            dim, start, length, full = source
+            if dim == 0:  # whole heads for q/k (the split is by heads): the row order is per head
+                if heads is not None:
+                    heads = heads * length // full
+                data = data[start : start + length]
+            else:
+                per_col = data.shape[1] / cols  # bytes (a block type) or values (float) per input
+                if int(kind) in BY_GGML_ID and (start % 32 or length % 32):
+                    raise ModelLoadError(f"{self.source}: {name} cannot be split at input {start} "
+                                         f"(+{length}): blocks hold 32 inputs. Use another --tp-size.")
+                data = data[:, int(start * per_col) : int((start + length) * per_col)]
+                cols = length
         if heads is not None:  # llama.cpp's row order of q and k: whole rows move, blocks stay intact
             data = unpermute(data, heads)
         if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             return torch.from_numpy(np.array(data, dtype=np.float32))
         if int(kind) in BY_GGML_ID:
-            return Blocks(BY_GGML_ID[int(kind)], torch.from_numpy(np.array(data, dtype=np.uint8)),
-                          self.shape(name)[1])
+            return Blocks(BY_GGML_ID[int(kind)], torch.from_numpy(np.array(data, dtype=np.uint8)), cols)
         # a type the kernels do not read, for a dense layer (`stored_type` refuses it for blocks)
         return torch.from_numpy(gguf.quants.dequantize(data, kind).astype(np.float32))
 

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from blockspec.distributed import TPGroup
 from blockspec.errors import ModelLoadError
 from blockspec.layers.embedding import Embedding
 from blockspec.layers.linear import Linear
@@ -27,6 +28,7 @@ from blockspec.models.draft import DFlashDraft
 from blockspec.models.draft_config import DRAFT_VOCAB, resolve_draft_config
 from blockspec.models.draft_tensors import check_draft_tensors, check_draft_vocab
 from blockspec.models.gguf_checkpoint import GGUFCheckpoint
+from blockspec.models.parallel import shard_target
 from blockspec.models.target import CausalLM
 
 @contextlib.contextmanager
@@ -119,30 +121,43 @@ class SafetensorsCheckpoint:
     def stored_type(self, name: str) -> QuantType | None:
         return None  # dense
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, source: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+        """The tensor, or only its part `source` (dim, start, length, full): read from the file as a slice,
+        so a tensor-parallel rank never holds the whole tensor."""
         file = self.index[name][0]
         if file not in self._handles:
             self._handles[file] = safe_open(str(file), framework="pt")
-        return self._handles[file].get_tensor(name)
+        if source is None:
+            return self._handles[file].get_tensor(name)
+        dim, start, length, _ = source
+        part = self._handles[file].get_slice(name)
+        return part[start : start + length] if dim == 0 else part[:, start : start + length]
 
 
 def load_into(model: nn.Module, checkpoint, names: dict[str, tuple[nn.Module, str, torch.Tensor]]) -> None:
     """Check every expected tensor's presence and shape in the checkpoint, then let each layer load its
-    own."""
-    for name, (_, _, tensor) in names.items():
+    own (only its slice of it, under tensor parallelism)."""
+    sources = {}
+    for name, (layer, own_name, tensor) in names.items():
+        source = getattr(layer, "source", lambda _: None)(own_name)
+        expected = list(tensor.shape)
+        if source is not None:
+            expected[source[0]] = source[3]
+            sources[name] = source
         shape = checkpoint.shape(name)
         if shape is None:
             raise ModelLoadError(
                 f"Tensor {name!r} is missing from the checkpoint in {checkpoint.source}. The checkpoint "
                 f"does not match its config.json (wrong architecture or an incomplete download)."
             )
-        if shape != tuple(tensor.shape):
+        if shape != tuple(expected):
             raise ModelLoadError(
                 f"Tensor {name!r} in {checkpoint.source} has shape {list(shape)}, but config.json implies "
-                f"{list(tensor.shape)}. The weights and config.json come from different models."
+                f"{expected}. The weights and config.json come from different models."
             )
     for name, (layer, own_name, _) in names.items():
-        layer.load(own_name, checkpoint.get(name))
+        source = sources.get(name)
+        layer.load(own_name, checkpoint.get(name) if source is None else checkpoint.get(name, source))
 
 
 def hold_as_blocks(names: dict[str, tuple[nn.Module, str, torch.Tensor]], checkpoint,
@@ -170,14 +185,18 @@ def hold_as_blocks(names: dict[str, tuple[nn.Module, str, torch.Tensor]], checkp
 
 
 def load_target(folder: str | Path, dtype: torch.dtype, device: torch.device,
-                quantization: str | None = None, gguf: Path | None = None) -> CausalLM:
+                quantization: str | None = None, gguf: Path | None = None,
+                tp: TPGroup | None = None) -> CausalLM:
     """The target of a checkpoint folder (config.json, and its weights unless `gguf` gives them).
     quantization: None for dense weights in `dtype`; a block type (q8_0, q4_0, q4_1) to hold every Linear and
-    the embedding in it (CPU, fp32 activations); "stored" to keep a GGUF's own blocks."""
+    the embedding in it (CPU, fp32 activations); "stored" to keep a GGUF's own blocks. `tp`: this rank's
+    shard only (models/parallel.py)."""
     folder = Path(folder)
     cfg = ModelConfig.from_folder(folder)
     with default_dtype(dtype):
         model = CausalLM(cfg)
+        if tp is not None:
+            shard_target(model, tp)
     checkpoint = GGUFCheckpoint(gguf) if gguf is not None else SafetensorsCheckpoint(folder)
     # HF names: the decoder under "model.", the head beside it
     names = {(n if n.startswith("lm_head.") else f"model.{n}"): v for n, v in model_tensors(model).items()}

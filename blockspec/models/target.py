@@ -91,6 +91,7 @@ class CausalLM(nn.Module):
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, tied)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling)
+        self.tp = None  # its TPGroup once sharded (models/parallel.py)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -144,11 +145,14 @@ class CausalLM(nn.Module):
     def block_stack(self) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor]] | None:
         """The layers' blocks, their types and norm weights for the one-op CPU layer stack
         (blockspec/kernels/layer_stack.cpp), or None where a layer cannot run there (dense or biased
-        linears, q/k norms). Gathered once: the layers hold their weights for good after loading."""
+        linears, q/k norms, and under tensor parallelism: the op has no all-reduce between its layers, so
+        the layers run one by one there). Gathered once: the layers hold their weights for good after
+        loading."""
         if "_block_stack" not in self.__dict__:
             linears = [linear for layer in self.layers for linear in (layer.self_attn.qkv_proj,
                        layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-            runs = all(linear.quant is not None and linear.bias is None for linear in linears) and all(
+            runs = all(linear.quant is not None and linear.bias is None and linear.parallel is None
+                       for linear in linears) and all(
                 layer.self_attn.q_norm is None and not layer.input_layernorm.folded for layer in self.layers)
             self.__dict__["_block_stack"] = None if not runs else (
                 [linear.quant.data for linear in linears], [linear.quant.qtype.ggml_id for linear in linears],

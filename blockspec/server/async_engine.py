@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -130,6 +132,9 @@ class AsyncEngine:
             try:
                 ran = self.scheduler.step()
             except Exception as exc:  # a bug or out-of-memory must not take the server down
+                if self.scheduler.runner.tp is not None:  # a rank failed: the ranks cannot step together
+                    self._stop_server(exc)
+                    return
                 # A fault in one request's own work fails it alone (runner.guarded); what reaches here
                 # is the batch's (a forward pass): its requests fail, the queued ones carry on.
                 log.exception("engine step failed; failing the requests in it")
@@ -142,6 +147,17 @@ class AsyncEngine:
                               accepts if self.scheduler.decoder.speculative else [])
             self._publish()
         self._fail_all("the server is shutting down", shutdown=True)
+
+    def _stop_server(self, exc: Exception) -> None:
+        """Under tensor parallelism a failed step means a rank is gone or broken, and the ranks can no
+        longer run in lock-step: every request ends with an error now, and the server stops (SIGTERM: the
+        graceful shutdown, with nothing left to wait for) instead of hanging on the lost rank."""
+        log.error("tensor-parallel engine step failed (%s: %s); stopping the server", type(exc).__name__,
+                  exc)
+        self._fail_all(f"the tensor-parallel engine failed ({type(exc).__name__}: {exc}); the server is "
+                       f"stopping", shutdown=True)
+        self.draining = True
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def _drain(self) -> None:
         while True:

@@ -49,7 +49,10 @@ class Decoder:
         start = time.perf_counter()
         self.run(seqs, plan)
         if self.governor is not None and self.speculation is not None:  # the step ended in a host sync
-            self.governor.record(plan, seqs, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            if self.runner.tp is not None:  # every rank's governor learns rank 0's time: they plan alike
+                seconds = self.runner.tp.broadcast_float(seconds)
+            self.governor.record(plan, seqs, seconds)
 
     def plan(self, seqs: list[Sequence]) -> StepPlan:
         spec = self.speculation
