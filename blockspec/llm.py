@@ -141,15 +141,8 @@ class LLM:
             )
         self.speculation = None
         if self.draft is not None:
-            size = self.draft.config.block_size
-            self.speculation = Speculation(size, self.draft.config.mask_token_id, cfg.prompt_lookup_ngram,
-                                           cfg.prompt_lookup_block_size or max(4, size),
-                                           cfg.speculative_tree_budget, cfg.speculative_tree_topk,
-                                           cfg.speculative_tree_rule)
             vocab = self.draft.vocab.numel() if self.draft.vocab is not None else target_cfg.vocab_size
-            if cfg.speculative_tree_budget and cfg.speculative_tree_topk > vocab:
-                raise BlockspecError(f"speculative_tree_topk={cfg.speculative_tree_topk} exceeds the draft's "
-                                     f"{vocab} proposable tokens; lower --speculative-tree-topk.")
+            self.speculation = Speculation.from_config(cfg, self.draft.config, vocab)
         elif cfg.speculative_tree_budget:
             raise DraftConfigError("speculative_tree_budget needs a DFlash draft (trees are built from its "
                                    "proposals); this LLM decodes without one.")
@@ -180,37 +173,27 @@ class LLM:
         return self.speculation.block_size if self.speculation is not None else 1
 
     def set_block_size(self, block_size: int) -> None:
-        """Run the loaded draft at another block size (a draft trained large runs smaller; the KV slabs
-        were sized for the block size the LLM was built with, which bounds it)."""
-        if self.speculation is None:
-            raise DraftConfigError("set_block_size needs a DFlash draft; this LLM decodes without one.")
-        limit = self.runner.max_len - self.max_model_len
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 2 <= block_size <= limit:
-            raise DraftConfigError(
-                f"DFLASH block_size={block_size!r} must be an integer in [2, {limit}] for this LLM (its KV "
-                f"slabs were sized for block_size={limit}); build the LLM with the largest block size you "
-                f"will use."
-            )
-        self.speculation.block_size = block_size
-        self.runner.tune_layouts(self.speculation.row_counts)
-        if self.mirror is not None and self.tp.rank == 0:
-            self.mirror.record("block_size", block_size)
+        """Run the loaded draft at another block size (a draft trained large runs smaller)."""
+        self._set_speculation("block_size", block_size, 2, self.runner.max_len - self.max_model_len)
 
     def set_tree_budget(self, budget: int) -> None:
-        """Verify candidate trees of `budget` nodes from now on (0: the chain only); the KV slabs were sized
-        for the budget the LLM was built with, which bounds it."""
+        """Verify candidate trees of `budget` nodes from now on (0: the chain only)."""
+        self._set_speculation("tree_budget", budget, 0, self.runner.max_len - self.max_model_len - 1)
+
+    def _set_speculation(self, name: str, value: int, low: int, high: int) -> None:
+        """Change a speculative setting; the KV slabs were sized for the step width the LLM was built with
+        (its block size, tree budget and lookup width), which bounds it."""
         if self.speculation is None:
-            raise DraftConfigError("set_tree_budget needs a DFlash draft; this LLM decodes without one.")
-        limit = self.runner.max_len - self.max_model_len - 1
-        if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= limit:
-            raise DraftConfigError(
-                f"speculative_tree_budget={budget!r} must be an integer in [0, {limit}] for this LLM (its KV "
-                f"slabs were sized for its step width); build the LLM with the largest budget you will use."
-            )
-        self.speculation.tree_budget = budget
+            raise DraftConfigError(f"set_{name} needs a DFlash draft; this LLM decodes without one.")
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            width = self.runner.max_len - self.max_model_len
+            raise DraftConfigError(f"DFLASH {name}={value!r} must be an integer in [{low}, {high}] for this "
+                                   f"LLM (its KV slabs were sized for steps of up to {width} tokens); build "
+                                   f"the LLM with the largest you will use.")
+        setattr(self.speculation, name, value)
         self.runner.tune_layouts(self.speculation.row_counts)
         if self.mirror is not None and self.tp.rank == 0:
-            self.mirror.record("tree_budget", budget)
+            self.mirror.record(name, value)
 
     def scheduler(self, speculative_algorithm: str | None = None) -> Scheduler:
         """A continuous-batching scheduler over this LLM's engine, decoding with DFlash or plainly."""

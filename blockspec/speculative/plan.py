@@ -6,7 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from blockspec.config import EngineConfig
 from blockspec.engine.sequence import Sequence
+from blockspec.errors import BlockspecError
+from blockspec.models.draft_config import DraftConfig
 from blockspec.speculative.tree import TreeRule
 
 Source = Literal["plain", "draft", "lookup"]
@@ -36,6 +39,16 @@ class Speculation:
     tree_budget: int = 0  # candidate trees of this many nodes from the draft's ranking (0: its chain only)
     tree_topk: int = 4  # a tree's tokens per block position, at most
     tree_rule: TreeRule = "best-first"
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, draft: DraftConfig, vocab: int) -> Speculation:
+        """The settings for a draft (its block size and mask token) with `vocab` proposable tokens."""
+        if cfg.speculative_tree_budget and cfg.speculative_tree_topk > vocab:
+            raise BlockspecError(f"speculative_tree_topk={cfg.speculative_tree_topk} exceeds the draft's "
+                                 f"{vocab} proposable tokens; lower --speculative-tree-topk.")
+        return cls(draft.block_size, draft.mask_token_id, cfg.prompt_lookup_ngram,
+                   cfg.prompt_lookup_block_size or max(4, draft.block_size), cfg.speculative_tree_budget,
+                   cfg.speculative_tree_topk, cfg.speculative_tree_rule)
 
     @property
     def shapes(self) -> tuple[DraftShape, ...]:
