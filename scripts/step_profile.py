@@ -68,7 +68,8 @@ def main() -> None:
     start, tokens = time.perf_counter(), 0
     for prompt in prompts:
         tokens += len(llm.chat(prompt, params, speculative_algorithm="NONE")[0].token_ids)
-    print(f"plain decoding: {1e3 * (time.perf_counter() - start) / tokens:.1f} ms per token (prefill included)")
+    elapsed = time.perf_counter() - start
+    print(f"plain decoding: {1e3 * elapsed / tokens:.1f} ms per token (prefill included)")
 
 
 if __name__ == "__main__":

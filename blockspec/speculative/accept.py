@@ -62,7 +62,6 @@ def sampled_accept(drafts: torch.Tensor, target_logits: torch.Tensor, params: Sa
     return accepted, drawn[accepted]
 
 
-
 def accept_trees(seqs: list[Sequence], trees: list[Tree],
                  outputs: Callable[[list[tuple[int, int]]], list[torch.Tensor]]) -> list[Outcome | None]:
     """Per row, (its accepted nodes, root to leaf, and the bonus), or None where the row failed
