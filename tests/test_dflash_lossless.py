@@ -18,7 +18,8 @@ from blockspec.models.config import ModelConfig
 from blockspec.models.loader import load_draft, load_target
 from blockspec.sampling_params import SamplingParams
 from blockspec.train.features import causal_batch
-from tests.tiny import ScriptedGovernor, TinyEngine, write_tiny_draft, write_tiny_target
+from tests.tiny import (ScriptedGovernor, TinyEngine, tiny_target_with_draft, write_tiny_draft,
+                        write_tiny_target)
 
 BLOCK_SIZES = (2, 4, 8, 16)
 DRAFT_VOCAB = torch.cat([torch.arange(0, 12), torch.arange(12, 97, 3)])  # the tiny target has 97 ids
@@ -40,15 +41,11 @@ FAMILIES = ["llama", "qwen3"] + (["llama-q4_1"] if DEVICE.type == "cpu" else [])
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def models(request, tmp_path_factory):
-    family, _, quantization = request.param.partition("-")
     folder = tmp_path_factory.mktemp(request.param)
-    write_tiny_target(folder / "target", family)
-    cfg = ModelConfig.from_folder(folder / "target")
-    write_tiny_draft(folder / "draft", cfg, block_size=16)
-    target = load_target(folder / "target", torch.float32, DEVICE, quantization or None)
+    target, cfg, draft_folder = tiny_target_with_draft(folder, request.param, DEVICE, draft_block_size=16)
     engines = {}
     for size in BLOCK_SIZES:
-        draft = load_draft(folder / "draft", cfg, torch.float32, DEVICE, cli_block_size=size)
+        draft = load_draft(draft_folder, cfg, torch.float32, DEVICE, cli_block_size=size)
         engines[size] = TinyEngine(target, draft, size, num_slots=4, max_len=160)
     return engines
 

@@ -15,14 +15,13 @@ from blockspec.engine.sequence import Sequence
 from blockspec.errors import BlockspecError
 from blockspec.layers.forward_batch import ForwardBatch
 from blockspec.layers.kv_cache import KVCache
-from blockspec.models.config import ModelConfig
-from blockspec.models.loader import load_draft, load_target
+from blockspec.models.loader import load_draft
 from blockspec.sampling_params import SamplingParams
 from blockspec.speculative.governor import SpecGovernor
 from blockspec.speculative.plan import DraftShape, StepPlan
 from blockspec.speculative.tree import Tree, build_tree
 from tests.test_dflash_lossless import worst_deviation
-from tests.tiny import ScriptedGovernor, TinyEngine, write_tiny_draft, write_tiny_target
+from tests.tiny import ScriptedGovernor, TinyEngine, tiny_target_with_draft
 
 # A hand-made ranking: 3 positions, each position's 3 best tokens, best first.
 LOGP = torch.tensor([[-0.1, -1.0, -3.0], [-0.2, -0.5, -4.0], [-2.0, -2.1, -2.2]])
@@ -102,13 +101,10 @@ def test_tree_attention_mask_and_positions():
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "llama-q4_1"])
 def engine(request, tmp_path_factory):
-    family, _, quantization = request.param.partition("-")
+    cpu = torch.device("cpu")
     folder = tmp_path_factory.mktemp(request.param)
-    write_tiny_target(folder / "target", family)
-    cfg = ModelConfig.from_folder(folder / "target")
-    write_tiny_draft(folder / "draft", cfg, block_size=8)
-    target = load_target(folder / "target", torch.float32, torch.device("cpu"), quantization or None)
-    draft = load_draft(folder / "draft", cfg, torch.float32, torch.device("cpu"))
+    target, cfg, draft_folder = tiny_target_with_draft(folder, request.param, cpu, draft_block_size=8)
+    draft = load_draft(draft_folder, cfg, torch.float32, cpu)
     return TinyEngine(target, draft, 8, num_slots=4, max_len=160, tree=(24, 4, "best-first"))
 
 

@@ -95,6 +95,19 @@ def write_tiny_tokenizer(folder: Path) -> Path:
     return folder
 
 
+def tiny_target_with_draft(folder: Path, kind: str, device, draft_block_size: int):
+    """A tiny target of `kind` ("llama", "qwen3", or "llama-q4_1": its linear layers held as Q4_1 blocks),
+    loaded in fp32, and a random draft for it written beside it: (target, its config, the draft's folder)."""
+    from blockspec.models.config import ModelConfig
+    from blockspec.models.loader import load_target
+
+    family, _, quantization = kind.partition("-")
+    write_tiny_target(folder / "target", family)
+    cfg = ModelConfig.from_folder(folder / "target")
+    write_tiny_draft(folder / "draft", cfg, block_size=draft_block_size)
+    return load_target(folder / "target", torch.float32, device, quantization or None), cfg, folder / "draft"
+
+
 class ScriptedGovernor:
     """Stands in for SpecGovernor in tests: speculates (True) or decodes plainly (False) by a fixed
     cyclic script instead of by timing, so runs are deterministic and mix every kind of step."""
