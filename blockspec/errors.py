@@ -1,5 +1,11 @@
 """Errors users can act on. Every one is a ValueError whose message names the bad value and the fix."""
 
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+
 
 class BlockspecError(ValueError):
     """Base class: a configuration or input problem the user can fix."""
@@ -15,3 +21,25 @@ class DraftConfigError(BlockspecError):
 
 class RequestError(BlockspecError):
     """A generation request (prompt, sampling parameters, lengths) is invalid."""
+
+
+# ---- naming settings in messages ------------------------------------------------------------------------
+# While the command line runs a command, its flags by setting name (`cli_flags`); otherwise messages name the
+# API's fields (LLM(...), SamplingParams(...), EngineConfig).
+_flags: ContextVar[dict[str, str] | None] = ContextVar("blockspec_flags", default=None)
+
+
+def setting(name: str) -> str:
+    """A setting as the user spelled it: its command-line flag under `cli_flags`, else the API field name."""
+    flags = _flags.get()
+    return flags.get(name, name) if flags is not None else name
+
+
+@contextlib.contextmanager
+def cli_flags(flags: dict[str, str]) -> Iterator[None]:
+    """Name settings by these flags (setting name -> flag) in the messages raised inside."""
+    token = _flags.set(flags)
+    try:
+        yield
+    finally:
+        _flags.reset(token)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -16,14 +16,15 @@ from blockspec.engine.mirror import Mirror
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler, run_to_completion
 from blockspec.engine.sequence import Sequence
-from blockspec.engine.stats import RequestStats
+from blockspec.engine.text_stream import TextStream, follow_text
 from blockspec.errors import BlockspecError, DraftConfigError, RequestError
 from blockspec.models.config import ModelConfig
 from blockspec.models.default_model import ensure_default_model, gguf_path
 from blockspec.models.loader import load_draft, load_target
 from blockspec.models.parallel import check_tp
 from blockspec.models.tokenizer import Tokenizer
-from blockspec.ranks import build_together, follow, rank_threads, start_ranks, stop
+from blockspec.outputs import RequestOutput, StreamDelta
+from blockspec.ranks import build_together, follow, join_spawned, rank_threads, start_ranks, stop
 from blockspec.sampling_params import SamplingParams
 from blockspec.speculative.decoder import Decoder
 from blockspec.speculative.governor import SpecGovernor
@@ -32,37 +33,6 @@ from blockspec.speculative.plan import Speculation
 log = logging.getLogger("blockspec")
 
 DEFAULT_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-dflash"
-
-
-@dataclass
-class RequestOutput:
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    speculative_algorithm: str
-    block_size: int
-    time_to_first_token_s: float
-    decode_time_s: float
-    stats: RequestStats
-
-    @property
-    def accept_lengths(self) -> list[int]:
-        return self.stats.accept_lengths
-
-    @property
-    def mean_accept_length(self) -> float:
-        return self.stats.mean_accept_length
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Tokens after the first over the time after the first (prefill excluded)."""
-        n = len(self.token_ids) - 1
-        return n / self.decode_time_s if n > 0 and self.decode_time_s > 0 else 0.0
 
 
 class LLM:
@@ -76,7 +46,7 @@ class LLM:
         group, processes = None, []
         if cfg.tp_size > 1:
             check_tp(ModelConfig.from_folder(self.target_folder(cfg)), cfg.tp_size)  # before any rank starts
-            group, processes = start_ranks(cfg)
+            group, processes = start_ranks(cfg, rank_main)
         self.build(cfg, group, processes)
         if group is not None and group.rank != 0:  # a launcher's rank > 0: serve rank 0, then exit
             follow(self)
@@ -246,12 +216,43 @@ class LLM:
             raise RequestError(f"Got {len(prompts)} prompts but {len(param_list)} SamplingParams.")
         scheduler = self.scheduler(speculative_algorithm)
         seqs = [self.sequence(p, sp) for p, sp in zip(prompts, param_list)]
-        run_to_completion(scheduler, seqs)
+        texts = {seq.seq_id: TextStream(self.tokenizer, seq.params.stop) for seq in seqs if seq.params.stop}
+
+        def on_step(ran: list[Sequence]) -> None:
+            for seq in ran:
+                if seq.seq_id in texts:
+                    follow_text(scheduler, seq, texts[seq.seq_id])
+
+        run_to_completion(scheduler, seqs, on_step)
         failed = [(i, seq.error) for i, seq in enumerate(seqs) if seq.finish_reason == "error"]
         if failed:
             raise RequestError(f"{len(failed)} of {len(seqs)} requests failed (the others finished); the "
                                f"first, prompt {failed[0][0]}: {failed[0][1]}")
-        return [self.output(seq, scheduler.decoder.speculative) for seq in seqs]
+        return [self.output(seq, scheduler.decoder.speculative, texts.get(seq.seq_id)) for seq in seqs]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+               speculative_algorithm: str | None = None) -> Iterator[StreamDelta]:
+        """Generate for one prompt, yielding each engine step's new tokens and text as they are committed;
+        the last delta holds the whole `RequestOutput`. Closing the iterator early (`.close()`, or leaving
+        a for loop) stops the request between two steps and frees its KV slot."""
+        scheduler = self.scheduler(speculative_algorithm)
+        seq = self.sequence(prompt, params or SamplingParams())
+        text = TextStream(self.tokenizer, seq.params.stop)
+        scheduler.add(seq)
+        sent = 0
+        try:
+            while not seq.finished:
+                scheduler.step()
+                piece = follow_text(scheduler, seq, text)
+                if len(seq.output_ids) > sent or piece:
+                    yield StreamDelta(piece, seq.output_ids[sent:], seq.token_sources[sent:])
+                    sent = len(seq.output_ids)
+        finally:
+            if not seq.finished:
+                scheduler.abort(seq.seq_id)
+        if seq.finish_reason == "error":
+            raise RequestError(f"The request failed: {seq.error}")
+        yield StreamDelta("", [], [], self.output(seq, scheduler.decoder.speculative, text))
 
     def chat(
         self,
@@ -260,18 +261,32 @@ class LLM:
         speculative_algorithm: str | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        prompts = [self.chat_prompt(c) for c in conversations]
         return self.generate(prompts, params, speculative_algorithm)
 
-    def output(self, seq: Sequence, speculative: bool) -> RequestOutput:
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """A conversation rendered by the target's chat template, ready for the assistant's turn."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def output(self, seq: Sequence, speculative: bool, text: TextStream | None = None) -> RequestOutput:
         return RequestOutput(
             prompt_token_ids=seq.prompt_ids,
-            text=self.tokenizer.decode(seq.output_ids),
-            token_ids=seq.output_ids,
+            text=text.text if text is not None else self.tokenizer.decode(seq.output_ids),
+            token_ids=list(seq.output_ids),
             finish_reason=seq.finish_reason,
             speculative_algorithm="DFLASH" if speculative else "NONE",
             block_size=self.block_size if speculative else 1,
             time_to_first_token_s=seq.first_token_time - seq.arrival_time,
             decode_time_s=seq.finish_time - seq.first_token_time,
             stats=seq.stats,
+            token_sources=list(seq.token_sources),
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
         )
+
+
+def rank_main(rank: int, address: str, cfg: EngineConfig) -> None:
+    """A tensor-parallel rank `LLM` spawned: build this rank's shard of the engine, then replay rank 0 until
+    it closes."""
+    llm = LLM.__new__(LLM)
+    llm.build(cfg, join_spawned(rank, address, cfg), [])
+    follow(llm)

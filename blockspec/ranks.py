@@ -22,6 +22,7 @@ from blockspec.errors import BlockspecError
 
 log = logging.getLogger("blockspec")
 STOP_SECONDS = 10.0  # how long a closing rank 0 waits for a spawned rank before terminating it
+RankMain = Callable[[int, str, EngineConfig], None]  # a spawned rank's work: (rank, rank 0's address, cfg)
 
 
 def rank_threads(cfg: EngineConfig) -> int | None:
@@ -33,9 +34,10 @@ def rank_threads(cfg: EngineConfig) -> int | None:
     return max(1, (os.cpu_count() or 1) // local)
 
 
-def start_ranks(cfg: EngineConfig) -> tuple[TPGroup, list]:
+def start_ranks(cfg: EngineConfig, rank_main: RankMain) -> tuple[TPGroup, list]:
     """Join (under a launcher) or start (spawning the others) cfg.tp_size ranks; (this rank's group, the
-    processes it spawned)."""
+    processes it spawned). A spawned rank runs rank_main(rank, address, cfg) (a module-level function of
+    the caller's, which builds its shard of the engine: this module stays below the engine it starts)."""
     if launched():
         return join(cfg.tp_size, cfg.device, cfg.tp_backend), []
     address = free_address()
@@ -53,14 +55,9 @@ def start_ranks(cfg: EngineConfig) -> tuple[TPGroup, list]:
         raise
 
 
-def rank_main(rank: int, address: str, cfg: EngineConfig) -> None:
-    """A spawned rank: build this rank's shard of the engine, then replay rank 0 until it closes."""
-    from blockspec.llm import LLM
-
-    group = join(cfg.tp_size, cfg.device, cfg.tp_backend, rank, address)
-    llm = LLM.__new__(LLM)
-    llm.build(cfg, group, [])
-    follow(llm)
+def join_spawned(rank: int, address: str, cfg: EngineConfig) -> TPGroup:
+    """A spawned rank's side of `start_ranks`: join rank 0's group."""
+    return join(cfg.tp_size, cfg.device, cfg.tp_backend, rank, address)
 
 
 def build_together(group: TPGroup | None, build: Callable[[], None], close: Callable[[], None]) -> None:

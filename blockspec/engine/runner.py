@@ -139,12 +139,12 @@ class ModelRunner:
     def first_tokens(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         """Emit each sequence's first token from the hidden state of its last prompt token [b, H]."""
         for seq, out in zip(seqs, self.target_choices(seqs, hidden)):
-            if seq.params.greedy:  # `out` is already the greedy token id
+            if not seq.needs_logits:  # `out` is already the greedy token id
                 seq.emit([int(out)])
                 continue
             token = guarded(seq, lambda: next_token(out, seq.params, seq.seed, seq.next_position))
             if token is not None:
-                seq.emit([token])
+                seq.emit([token], logits=out.unsqueeze(0))
 
     def target_pass(self, seqs: list[Sequence], tokens: torch.Tensor, capture: bool,
                     parents: list[tuple[int, ...]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -166,9 +166,9 @@ class ModelRunner:
 
     def target_choices(self, seqs: list[Sequence], hidden: torch.Tensor) -> list[torch.Tensor]:
         """Per row of hidden [b, ..., H] (last layer, before the final norm): the target's greedy token ids
-        [...] (on the CPU) for a greedy request, its fp32 logits [..., V] for a sampled one."""
-        greedy = [row for row, s in enumerate(seqs) if s.params.greedy]
-        sampled = [row for row, s in enumerate(seqs) if not s.params.greedy]
+        [...] (on the CPU), or its fp32 logits [..., V] for a request that needs them (`needs_logits`)."""
+        greedy = [row for row, s in enumerate(seqs) if not s.needs_logits]
+        sampled = [row for row, s in enumerate(seqs) if s.needs_logits]
         out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
         if greedy:
             choices = self.target.greedy(hidden[greedy]).cpu()  # one device sync for the batch, not per row

@@ -9,6 +9,8 @@ rounding, and DFlash's sampled output equals plain sampled decoding token for to
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from blockspec.errors import RequestError
@@ -19,6 +21,17 @@ _MASK64 = (1 << 64) - 1
 
 class SamplingError(RequestError):
     """The target's distribution for a request could not be sampled (non-finite logits)."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's log-probability under the target and its `top` most likely alternatives there (id,
+    log-probability), best first: from the log-softmax of the target's raw logits (before penalties,
+    temperature, top-k and top-p, as OpenAI-compatible servers report them)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 def _mix64(x: int) -> int:
@@ -82,3 +95,37 @@ def next_token(logits: torch.Tensor, params: SamplingParams, seed: int, position
     if params.greedy:
         return int(logits.argmax())
     return draw(filtered_probs(logits.unsqueeze(0), params), seed, position)[0]
+
+
+def penalized(logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
+              candidates: list[int]) -> torch.Tensor:
+    """logits [n, V] of n consecutive positions after `output_ids`, row i following output_ids +
+    candidates[:i], with presence and frequency penalties applied as plain decoding applies them there:
+    row i sees the counts of the tokens generated before its position. A candidate's row matters only if
+    every candidate before it is accepted, so each row is exactly what a plain step at that position sees."""
+    if not params.penalized:
+        return logits
+    rows, vocab = logits.shape
+    history = torch.tensor(output_ids + candidates[: rows - 1], dtype=torch.long)
+    counts = torch.zeros(rows, vocab, dtype=torch.float32)
+    base = torch.bincount(history[: len(output_ids)], minlength=vocab)[:vocab].float()
+    counts[:] = base
+    for i in range(1, rows):  # row i also counts candidates[:i]
+        counts[i:, int(history[len(output_ids) + i - 1])] += 1
+    counts = counts.to(logits.device)
+    penalty = params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    return logits.float() - penalty
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each token's log-probability under its row of raw logits [n, V] and the row's `top` best."""
+    if not tokens:
+        return []
+    logprobs = torch.log_softmax(logits[: len(tokens)].float(), dim=-1).cpu()
+    chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    best_values, best_ids = logprobs.topk(top, dim=-1) if top else (None, None)
+    out = []
+    for i, token in enumerate(tokens):
+        alternatives = () if not top else tuple(zip(best_ids[i].tolist(), best_values[i].tolist()))
+        out.append(TokenLogprob(token, chosen[i], alternatives))
+    return out

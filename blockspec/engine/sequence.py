@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from blockspec.engine.sampler import TokenLogprob, token_logprobs
 from blockspec.engine.stats import RequestStats
 from blockspec.sampling_params import SamplingParams
 
@@ -24,6 +25,11 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     slot: int = -1
     output_ids: list[int] = field(default_factory=list)
+    # Per output token: what proposed it ("draft", "lookup": a verified candidate; "target": the target's own
+    # token, a plain step's or the one after the accepted candidates), and with params.logprobs its
+    # log-probabilities under the target.
+    token_sources: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
     # Moving averages of its accept lengths per kind of drafted step (the governor's: chain, tree)
     tau_estimates: dict = field(default_factory=dict)
@@ -51,6 +57,11 @@ class Sequence:
         return self.finish_reason is not None
 
     @property
+    def needs_logits(self) -> bool:
+        """Whether its steps need the target's logits, not only its greedy choices (SamplingParams)."""
+        return self.params.needs_logits
+
+    @property
     def pending_token(self) -> int:
         return self.output_ids[-1]
 
@@ -59,12 +70,16 @@ class Sequence:
         """The absolute position of the next token to be committed (the key of its draw)."""
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def emit(self, tokens: list[int]) -> int:
+    def emit(self, tokens: list[int], sources: list[str] | None = None,
+             logits: torch.Tensor | None = None) -> int:
         """Append tokens in order until a stop token (kept) or max_tokens; returns how many were taken.
-        Stops are found by position in the committed run, never by filtering token values."""
+        Stops are found by position in the committed run, never by filtering token values. `sources`: what
+        proposed each token (default: the target); `logits` [len(tokens), V]: the target's raw logits that
+        chose each (for params.logprobs)."""
         taken = 0
         for token in tokens:
             self.output_ids.append(token)
+            self.token_sources.append(sources[taken] if sources is not None else "target")
             taken += 1
             if self.first_token_time is None:
                 self.first_token_time = time.perf_counter()
@@ -74,7 +89,13 @@ class Sequence:
             if len(self.output_ids) >= self.params.max_tokens:
                 self.finish("length")
                 break
+        if self.params.logprobs is not None and logits is not None:
+            self.logprobs += token_logprobs(logits[:taken], tokens[:taken], self.params.logprobs)
         return taken
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first `length` output tokens (a stop string ended the output there)."""
+        del self.output_ids[length:], self.token_sources[length:], self.logprobs[length:]
 
     def finish(self, reason: str) -> None:
         self.finish_reason = reason

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one engine thread.
 
 Routes: GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (both
-with `"stream": true` as server-sent events in OpenAI's chunk format, `stream_options.include_usage` for
-a final usage chunk, then `data: [DONE]`), GET /health, GET /metrics (Prometheus text).
+with `"stream": true` as server-sent events: completions.py), POST /tokenize and /detokenize (vLLM's
+shapes: tokenize.py), GET /health, GET /metrics (Prometheus text). A model card's `created` is when the
+server started.
 With an API key, every /v1 route needs `Authorization: Bearer KEY` (401 otherwise); /health and
 /metrics stay open for probes and scrapers. Every error is OpenAI's error JSON; nothing is a bare 500.
 A client that disconnects (streaming or not) has its request aborted and its KV freed before the
@@ -19,40 +20,36 @@ import json
 import logging
 import secrets
 import time
-import uuid
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from blockspec.engine.sequence import Sequence
-from blockspec.errors import BlockspecError
-from blockspec.server.async_engine import AsyncEngine, Output
+from blockspec.server.async_engine import AsyncEngine
+from blockspec.server.completions import Completion, make_sequences, streaming_response
 from blockspec.server.door import Door, request_id
 from blockspec.server.metrics import Metrics
-from blockspec.server.protocol import (
-    APIError, ParsedRequest, chat_messages, choice, envelope, extension, parse_request, sampling_params,
-    usage,
-)
+from blockspec.server.protocol import APIError, parse_request
+from blockspec.server.tokenize import detokenize, tokenize
 
 log = logging.getLogger("blockspec.server")
 DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024  # far above any prompt a context of 32k tokens holds
 TOKENIZE_CONCURRENCY = 2  # prompts tokenized at once (each on a worker thread); the others wait their turn
-CHARS_PER_TOKEN_BOUND = 16  # text tokenizes to ~4 characters a token; a prefix this long per token suffices
 
 
 def create_app(llm, api_key: str | None = None, served_model_name: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               cors_origins: list[str] | None = None) -> FastAPI:
+               cors_origins: list[str] | None = None, log_interval: float = 0.0) -> FastAPI:
     """An app serving `llm` (a blockspec.LLM, its engine settings in llm.config); the engine thread starts
-    and stops with the app. `cors_origins`: browser origins allowed to call it (None: CORS off)."""
+    and stops with the app. `cors_origins`: browser origins allowed to call it (None: CORS off);
+    `log_interval`: seconds between throughput log lines while busy (0: none)."""
     scheduler = llm.scheduler()
     metrics = Metrics(llm.block_size)
-    engine = AsyncEngine(scheduler, llm.tokenizer, metrics)
+    engine = AsyncEngine(scheduler, llm.tokenizer, metrics, log_interval)
     model_name = served_model_name or llm.model_path.name
     algorithm = llm.speculative_algorithm
     block_size = llm.block_size
@@ -107,7 +104,7 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "blockspec",
+    card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "blockspec",
             "max_model_len": llm.max_model_len, "speculative_algorithm": algorithm, "block_size": block_size}
 
     def check_model(name: Any) -> None:
@@ -140,133 +137,42 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
             raise APIError(503, "The server is starting or shutting down and takes no new requests.",
                            kind="server_error", code="server_unavailable")
 
-    async def generate(request: Request, chat: bool) -> Response:
-        refuse_if_stopping()
+    async def read_json(request: Request) -> Any:
         try:
-            body = json.loads(await request.body())
+            return json.loads(await request.body())
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, a 5000-digit number
             what = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
             raise APIError(400, f"The request body is not valid JSON: {what:.300}.") from exc
+
+    async def generate(request: Request, chat: bool) -> Response:
+        refuse_if_stopping()
+        body = await read_json(request)
         if isinstance(body, dict):
             check_model(body.get("model"))
         parsed = parse_request(body, chat)
         async with tokenizing:
-            seq = await asyncio.to_thread(make_sequence, body, parsed, chat)
+            seqs, prompts = await asyncio.to_thread(make_sequences, llm, scheduler, body, parsed, chat)
         refuse_if_stopping()
-        log.debug("request %s is seq %d", request_id(request.scope), seq.seq_id)
-        outputs = engine.submit(seq, parsed.stop)
-        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        log.debug("request %s is seqs %s", request_id(request.scope), [seq.seq_id for seq in seqs])
+        completion = Completion(llm, engine, model_name, parsed, chat, seqs, prompts)
         if parsed.stream:
-            return StreamingResponse(stream(seq, outputs, parsed, chat, rid, created),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await collect(request, seq, outputs, chat, rid, created)
+            return streaming_response(completion)
+        return await completion.collect(request)
 
-    def encode(text: str, param: str) -> list[int]:
-        """Token ids of a prompt, bounded: the tokenizer holds the GIL while it runs (the event loop then
-        stalls), so a text far longer than the context is refused once a prefix already fills it."""
-        limit = llm.max_model_len * CHARS_PER_TOKEN_BOUND
-        if len(text) > limit and len(llm.tokenizer.encode(text[:limit])) >= llm.max_model_len:
-            raise APIError(400, f"The prompt ({len(text)} characters) holds more tokens than the context "
-                                f"length max_model_len={llm.max_model_len}. Shorten it.", param=param,
-                           code="context_length_exceeded")
-        return llm.tokenizer.encode(text)
+    @app.post("/tokenize", dependencies=[Depends(authorize)])
+    async def tokenize_route(request: Request) -> dict:
+        body = await read_json(request)
+        if isinstance(body, dict):
+            check_model(body.get("model"))
+        async with tokenizing:
+            return await asyncio.to_thread(tokenize, llm, body)
 
-    def make_sequence(body: dict, parsed: ParsedRequest, chat: bool) -> Sequence:
-        try:
-            prompt = llm.tokenizer.apply_chat_template(chat_messages(body)) if chat else parsed.prompt
-            ids = encode(prompt, "messages" if chat else "prompt") if isinstance(prompt, str) else prompt
-            max_tokens = parsed.max_tokens
-            if max_tokens is None:  # chat without max_tokens: the rest of the context
-                max_tokens = llm.max_model_len - len(ids)
-                if max_tokens < 1:
-                    raise APIError(400, f"The prompt has {len(ids)} tokens, which fills the context length "
-                                        f"max_model_len={llm.max_model_len}. Shorten it.",
-                                   param="messages", code="context_length_exceeded")
-            seq = llm.sequence(ids, sampling_params(parsed, max_tokens))
-            scheduler.check(seq)
-            return seq
-        except BlockspecError as exc:
-            code = ("context_length_exceeded" if "context length" in str(exc) or "KV tokens" in str(exc)
-                    else None)
-            raise APIError(400, str(exc), param="messages" if chat else "prompt", code=code) from exc
-
-    def final(out: Output) -> dict:
-        return extension(out.stats, algorithm, block_size)
-
-    def failure(out: Output) -> APIError:
-        if out.shutdown:
-            return APIError(503, out.error, kind="server_error", code="server_shutting_down")
-        return APIError(500, out.error, kind="internal_error")
-
-    async def stream(seq: Sequence, outputs: asyncio.Queue, parsed: ParsedRequest, chat: bool, rid: str,
-                     created: int) -> AsyncIterator[str]:
-        done = False
-        try:
-            if chat:
-                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}
-                yield sse(envelope(chat, True, rid, created, model_name, [first]))
-            while True:
-                out: Output = await outputs.get()
-                if out.error is not None:
-                    done = True
-                    yield sse(failure(out).body())
-                    break
-                if out.text:
-                    yield sse(envelope(chat, True, rid, created, model_name,
-                                       [choice(chat, out.text, None, True)]))
-                if out.finish_reason is not None:
-                    done = True
-                    yield sse(envelope(chat, True, rid, created, model_name,
-                                       [choice(chat, "", out.finish_reason, True)], blockspec=final(out)))
-                    if parsed.include_usage:
-                        yield sse(envelope(chat, True, rid, created, model_name, [],
-                                           usage=usage(len(seq.prompt_ids), out.num_output_tokens)))
-                    break
-            yield "data: [DONE]\n\n"
-        finally:
-            if not done:  # the client went away (or the server is stopping): free the KV now
-                engine.abort(seq.seq_id)
-
-    async def collect(request: Request, seq: Sequence, outputs: asyncio.Queue, chat: bool, rid: str,
-                      created: int) -> Response:
-        pieces: list[str] = []
-        pending: asyncio.Future | None = None
-        # The body is read, so the next ASGI message can only be http.disconnect: watch for it.
-        watch: asyncio.Future = asyncio.ensure_future(request.receive())
-        done = False
-        try:
-            while True:
-                pending = pending or asyncio.ensure_future(outputs.get())
-                await asyncio.wait({pending, watch}, return_when=asyncio.FIRST_COMPLETED)
-                if not pending.done():
-                    if watch.result().get("type") == "http.disconnect":
-                        return Response(status_code=499)  # nobody to answer; `finally` frees the KV
-                    watch = asyncio.ensure_future(request.receive())
-                    continue
-                out: Output = pending.result()
-                pending = None
-                if out.error is not None:
-                    done = True
-                    raise failure(out)
-                pieces.append(out.text)
-                if out.finish_reason is not None:
-                    done = True
-                    body = envelope(chat, False, rid, created, model_name,
-                                    [choice(chat, "".join(pieces), out.finish_reason, False)],
-                                    usage=usage(len(seq.prompt_ids), out.num_output_tokens),
-                                    blockspec=final(out))
-                    return JSONResponse(body)
-        finally:
-            for task in (pending, watch):
-                if task is not None:
-                    task.cancel()
-            if not done:
-                engine.abort(seq.seq_id)
+    @app.post("/detokenize", dependencies=[Depends(authorize)])
+    async def detokenize_route(request: Request) -> dict:
+        body = await read_json(request)
+        if isinstance(body, dict):
+            check_model(body.get("model"))
+        return detokenize(llm, body)
 
     return app
 
-
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"

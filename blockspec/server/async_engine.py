@@ -1,10 +1,12 @@
 """The bridge between asyncio request handlers and the one thread that runs the model.
 
-Handlers call `submit` (returns an asyncio.Queue of `Output`s) and `abort`; both only post a message
+Handlers call `submit` (returns an asyncio.Queue of `Output`s; several requests, the choices of one HTTP
+request, may share one, each `Output` naming its choice's index) and `abort`; both only post a message
 to the engine thread's inbox. The engine thread drains its inbox between steps (so an abort frees
 the request's KV before the next step), runs `Scheduler.step`, turns each request's new tokens into
-text (StreamDecoder), applies stop strings (the text is cut before the stop string and the request
-finishes at once), and posts the pieces to the request's queue with `call_soon_threadsafe`.
+text (`TextStream`), applies stop strings (the text is cut before the stop string, the tokens after the one
+that completed it are dropped, and the request finishes at once), and posts the pieces to the request's
+queue with `call_soon_threadsafe`. While busy it logs a throughput line every few seconds (throughput.py).
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from blockspec.engine.sampler import TokenLogprob
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.stats import RequestStats
+from blockspec.engine.text_stream import TextStream, follow_text
 from blockspec.errors import BlockspecError
-from blockspec.models.tokenizer import StreamDecoder, Tokenizer
+from blockspec.models.tokenizer import Tokenizer
 from blockspec.server.metrics import Metrics
+from blockspec.server.throughput import ThroughputLog
 
 log = logging.getLogger("blockspec.server")
 
@@ -38,6 +43,9 @@ class Output:
     stats: RequestStats = field(default_factory=RequestStats)  # on the last update only
     error: str | None = None
     shutdown: bool = False  # the error is the server stopping, not a fault
+    index: int = 0  # the choice it belongs to (submit's `index`)
+    token_ids: list[int] = field(default_factory=list)  # the tokens since the previous update
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when the request asked for them
 
 
 @dataclass
@@ -45,36 +53,25 @@ class _Tracked:
     seq: Sequence
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    decoder: StreamDecoder
-    stop: list[str]
+    text: TextStream
+    index: int = 0
     sent_tokens: int = 0
     sent_accepts: int = 0
-    held: str = ""  # decoded text held back because it may be the start of a stop string
-
-
-def find_stop(text: str, stops: list[str]) -> tuple[int | None, int]:
-    """(index where the earliest stop string starts or None, length of the longest suffix of text
-    that is a proper prefix of some stop string: text that must be held back for now)."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    if hits:
-        return min(hits), 0
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:k]):
-                hold = k
-                break
-    return None, hold
+    last_delivery: float | None = None  # when its previous tokens were posted (inter-token latency)
 
 
 class AsyncEngine:
-    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, metrics: Metrics) -> None:
+    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, metrics: Metrics,
+                 log_interval: float = 0.0) -> None:
+        """`log_interval`: seconds between throughput lines while busy (0: none)."""
         self.scheduler, self.tokenizer, self.metrics = scheduler, tokenizer, metrics
+        self.throughput = ThroughputLog(log_interval, scheduler.decoder.speculative)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._tracked: dict[int, _Tracked] = {}  # engine thread only
         self._thread: threading.Thread | None = None
+        self._step_tokens = 0  # output tokens delivered in the current step
         self.draining = False  # set once the server stops admitting (shutdown.py); handlers then refuse
         self.snapshot: dict[str, float] = {}
         self._publish()
@@ -94,10 +91,13 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, seq: Sequence, stop: list[str]) -> asyncio.Queue:
-        """Queue a validated sequence; its `Output`s arrive on the returned queue."""
-        tracked = _Tracked(seq, asyncio.get_running_loop(), asyncio.Queue(), StreamDecoder(self.tokenizer),
-                           stop)
+    def submit(self, seq: Sequence, stop: list[str] | None = None, outputs: asyncio.Queue | None = None,
+               index: int = 0) -> asyncio.Queue:
+        """Queue a validated sequence; its `Output`s, marked `index`, arrive on `outputs` (a new queue if
+        None), which is returned. `stop`: its stop strings (default: its SamplingParams')."""
+        stops = seq.params.stop if stop is None else stop
+        tracked = _Tracked(seq, asyncio.get_running_loop(), outputs or asyncio.Queue(),
+                           TextStream(self.tokenizer, stops), index)
         self._inbox.put(("add", tracked))
         self._wake.set()
         return tracked.queue
@@ -141,11 +141,13 @@ class AsyncEngine:
                 self._fail_running(f"internal engine error: {type(exc).__name__}: {exc}")
                 continue
             accepts: list[int] = []
+            self._step_tokens = 0
             for seq in ran:
                 accepts += self._deliver(seq)
-            self.metrics.step(time.perf_counter() - start,
-                              accepts if self.scheduler.decoder.speculative else [])
+            speculative = self.scheduler.decoder.speculative
+            self.metrics.step(time.perf_counter() - start, accepts if speculative else [])
             self._publish()
+            self.throughput.step(self._step_tokens, accepts, self.snapshot)
         self._fail_all("the server is shutting down", shutdown=True)
 
     def _stop_server(self, exc: Exception) -> None:
@@ -185,35 +187,39 @@ class AsyncEngine:
         tracked = self._tracked.get(seq.seq_id)
         if tracked is None:
             return []
-        new = seq.output_ids[tracked.sent_tokens :]
         accepts = seq.stats.accept_lengths[tracked.sent_accepts :]
-        tracked.sent_tokens, tracked.sent_accepts = len(seq.output_ids), len(seq.stats.accept_lengths)
-        text = tracked.held + "".join(tracked.decoder.push(t) for t in new)
-        if seq.finished:
-            text += tracked.decoder.flush()
+        tracked.sent_accepts = len(seq.stats.accept_lengths)
+        text = follow_text(self.scheduler, seq, tracked.text)  # a stop string ends it (and trims it) here
+        new = slice(tracked.sent_tokens, len(seq.output_ids))
+        tracked.sent_tokens = len(seq.output_ids)
         reason = seq.finish_reason
-        tracked.held = ""
-        if tracked.stop:
-            cut, hold = find_stop(text, tracked.stop)
-            if cut is not None:
-                text, reason = text[:cut], "stop"
-                if not seq.finished:
-                    self.scheduler.abort(seq.seq_id, reason="stop")  # frees its KV now
-            elif reason is None and hold:
-                text, tracked.held = text[: len(text) - hold], text[len(text) - hold :]
-        if text or reason is not None:
+        if new.stop > new.start:
+            self._time_tokens(tracked, new.stop - new.start)
+            self._step_tokens += new.stop - new.start
+        if text or reason is not None or new.stop > new.start:
             final = reason is not None
             error = f"the request failed: {seq.error}" if reason == "error" else None
             self._post(tracked, Output(text, len(seq.output_ids), reason,
-                                       seq.stats.copy() if final else RequestStats(), error))
+                                       seq.stats.copy() if final else RequestStats(), error,
+                                       index=tracked.index, token_ids=seq.output_ids[new],
+                                       logprobs=seq.logprobs[new]))
         if reason is not None:
             self._tracked.pop(seq.seq_id, None)
             self._done(seq, reason)
         return accepts
 
+    def _time_tokens(self, tracked: _Tracked, count: int) -> None:
+        """Inter-token latency: the time since the request's previous tokens, shared by the ones that came
+        together (a verify step commits several at once)."""
+        now = time.perf_counter()
+        if tracked.last_delivery is not None:
+            self.metrics.inter_token(now - tracked.last_delivery, count)
+        tracked.last_delivery = now
+
     def _done(self, seq: Sequence, reason: str) -> None:
         ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
-        self.metrics.request_done(reason, len(seq.prompt_ids), len(seq.output_ids), ttft, seq.stats)
+        latency = (seq.finish_time or time.perf_counter()) - seq.arrival_time
+        self.metrics.request_done(reason, len(seq.prompt_ids), len(seq.output_ids), ttft, seq.stats, latency)
 
     def _post(self, tracked: _Tracked, output: Output) -> None:
         try:

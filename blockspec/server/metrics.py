@@ -14,6 +14,8 @@ from blockspec.engine.stats import RequestStats
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 COUNTER_GAUGES = {"preemptions_total"}  # engine counters published through the snapshot
 TTFT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 
 
 @dataclass
@@ -28,12 +30,12 @@ class Histogram:
     def __post_init__(self) -> None:
         self.counts = [0] * len(self.buckets)
 
-    def observe(self, value: float) -> None:
-        self.n += 1
-        self.total += value
+    def observe(self, value: float, times: int = 1) -> None:
+        self.n += times
+        self.total += value * times
         for i, bound in enumerate(self.buckets):
             if value <= bound:
-                self.counts[i] += 1
+                self.counts[i] += times
 
     def render(self) -> list[str]:
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
@@ -66,10 +68,16 @@ class Metrics:
                                       STEP_BUCKETS)
         self.ttft = Histogram("blockspec_time_to_first_token_seconds", "Arrival to first token",
                               TTFT_BUCKETS)
+        self.itl = Histogram("blockspec_inter_token_latency_seconds",
+                             "Time between a request's successive output tokens (tokens committed together "
+                             "share the time since the previous ones); one observation per token",
+                             ITL_BUCKETS)
+        self.e2e = Histogram("blockspec_e2e_request_latency_seconds",
+                             "Arrival to the last token, per finished request", E2E_BUCKETS)
         self.gauges: dict[str, float] = {}
 
     def request_done(self, reason: str, prompt_tokens: int, output_tokens: int, ttft: float | None,
-                     stats: RequestStats) -> None:
+                     stats: RequestStats, latency: float | None = None) -> None:
         with self._lock:
             self.requests[reason] = self.requests.get(reason, 0) + 1
             self.prompt_tokens += prompt_tokens
@@ -79,6 +87,13 @@ class Metrics:
             self.lookup_tokens += sum(stats.lookup_accept_lengths)
             if ttft is not None:
                 self.ttft.observe(ttft)
+            if latency is not None:
+                self.e2e.observe(latency)
+
+    def inter_token(self, seconds: float, tokens: int) -> None:
+        """`tokens` output tokens of one request arrived together, `seconds` after its previous ones."""
+        with self._lock:
+            self.itl.observe(seconds / tokens, tokens)
 
     def http_error(self, status: int) -> None:
         with self._lock:
@@ -120,6 +135,6 @@ class Metrics:
             for name, value in sorted(self.gauges.items()):
                 kind = "counter" if name in COUNTER_GAUGES else "gauge"
                 lines += [f"# TYPE blockspec_{name} {kind}", f"blockspec_{name} {_num(value)}"]
-            for hist in (self.accept_length, self.step_latency, self.ttft):
+            for hist in (self.accept_length, self.step_latency, self.ttft, self.itl, self.e2e):
                 lines += hist.render()
         return "\n".join(lines) + "\n"

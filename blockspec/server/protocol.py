@@ -2,16 +2,22 @@
 
 Every invalid request becomes an `APIError` (status 400 unless said otherwise) rendered as
 `{"error": {"message", "type", "param", "code"}}`. Unknown fields are ignored, as OpenAI does;
-fields we cannot honour (n > 1, logprobs, echo, penalties, tools) are refused, never ignored.
+fields we cannot honour (best_of, logit_bias, suffix, tools, echo with logprobs) are refused, never ignored.
+
+Honoured, each lossless under speculation: `n` choices per prompt, a list of prompts (completions),
+`logprobs` / `top_logprobs` (chat) and `logprobs` (completions) from the target's own distribution,
+`presence_penalty` / `frequency_penalty` (over the output's tokens, position by position), `echo`
+(completions), `stop`, `seed`. Choice i of prompt p has index p * n + i; with a seed, choice i samples with
+seed + i.
 
 Extension fields accepted in requests: `top_k`, `ignore_eos`, `stop_token_ids`.
 Extension field on every response (and on the final stream chunk): `blockspec` =
 `{speculative_algorithm, block_size, accept_lengths, mean_accept_length, num_verify_steps,
 num_plain_steps, lookup_accept_lengths, num_lookup_steps, lookup_mean_accept_length}` (the request's
-`RequestStats`), where accept_lengths has one entry per verify step, each counting the bonus token
-(1..block_size), and num_plain_steps counts the plain decode steps adaptive speculation took instead,
-num_lookup_steps the prompt-lookup steps (their accept lengths are not in accept_lengths: tau stays the
-draft's).
+`RequestStats`, pooled over its choices), where accept_lengths has one entry per verify step, each counting
+the bonus token (1..block_size), and num_plain_steps counts the plain decode steps adaptive speculation took
+instead, num_lookup_steps the prompt-lookup steps (their accept lengths are not in accept_lengths: tau stays
+the draft's).
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 # OpenAI's roles; "developer" is the newer name of "system" (the chat template sees "system")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 SEED_RANGE = (-(2**63), 2**64 - 1)  # int64 or uint64: what clients send
+MAX_CHOICES = 16  # n
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_LOGPROBS = 20
 
 
 class APIError(Exception):
@@ -44,12 +53,22 @@ class APIError(Exception):
 
 @dataclass
 class ParsedRequest:
-    prompt: str | list[int]  # text to tokenize, or token ids
+    prompts: list[str | list[int]]  # texts to tokenize, or token ids ([""] for chat: the messages are its)
     max_tokens: int | None  # None: the rest of the context
-    params: dict[str, Any]  # SamplingParams fields except max_tokens
-    stop: list[str]
+    params: dict[str, Any]  # SamplingParams fields except max_tokens (and seed: see `seed`)
     stream: bool
     include_usage: bool
+    n: int = 1  # choices per prompt
+    seed: int | None = None  # choice i's seed is seed + i
+    echo: bool = False  # completions: the prompt's text before each choice's
+
+    @property
+    def prompt(self) -> str | list[int]:
+        return self.prompts[0]
+
+    @property
+    def stop(self) -> list[str]:
+        return self.params["stop"]
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -116,20 +135,14 @@ def _stop(body: dict) -> list[str]:
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
-    if body.get("n") not in (None, 1):
-        raise _bad("n", f"n={body['n']!r:.80}: only n=1 is supported; send several requests instead.")
-    if body.get("best_of") not in (None, 1):
-        raise _bad("best_of", "best_of > 1 is not supported.")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise _bad(name, f"{name} is not supported (it would change the target distribution); "
-                             f"omit it or send 0.")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise _bad("logprobs", "logprobs are not supported by this server.")
+    if body.get("best_of") not in (None, 1) and body.get("best_of") != body.get("n"):
+        raise _bad("best_of", "best_of (ranking more samples than are returned) is not supported; ask for "
+                              "n choices instead.")
     if body.get("logit_bias"):
         raise _bad("logit_bias", "logit_bias is not supported.")
-    if not chat and body.get("echo"):
-        raise _bad("echo", "echo is not supported.")
+    if not chat and body.get("echo") and body.get("logprobs") not in (None, False):
+        raise _bad("echo", "echo together with logprobs (log-probabilities of the prompt's tokens) is not "
+                           "supported; send one of them.")
     if not chat and body.get("suffix"):
         raise _bad("suffix", "suffix (insertion) is not supported.")
     if chat and (body.get("tools") or body.get("functions")):
@@ -137,6 +150,26 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
     fmt = body.get("response_format")
     if chat and fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise _bad("response_format", "only response_format {'type': 'text'} is supported.")
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives to report per token (0: only the chosen token's), None: no logprobs."""
+    if not chat:  # completions: an integer, the alternatives per token
+        value = body.get("logprobs")
+        if value is None:
+            return None
+        if not _is_int(value) or not 0 <= value <= MAX_LOGPROBS:
+            raise _bad("logprobs", f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}], got "
+                                   f"{value!r:.80}.")
+        return value
+    wanted = _bool(body, "logprobs", False)
+    top = body.get("top_logprobs")
+    if top is not None and (not _is_int(top) or not 0 <= top <= MAX_LOGPROBS):
+        raise _bad("top_logprobs", f"'top_logprobs' must be an integer in [0, {MAX_LOGPROBS}], got "
+                                   f"{top!r:.80}.")
+    if top and not wanted:
+        raise _bad("top_logprobs", "'top_logprobs' needs 'logprobs': true.")
+    return (top or 0) if wanted else None
 
 
 def _content(message: dict, index: int) -> str:
@@ -177,17 +210,22 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
-def completion_prompt(body: dict) -> str | list[int]:
+def completion_prompts(body: dict) -> list[str | list[int]]:
+    """The prompts of a /v1/completions request: a string, a list of token ids, or a list of either."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise _bad("prompt", f"{len(prompt)} prompts in one request; send at most {MAX_PROMPTS}.")
+        return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_one_prompt(prompt, "prompt")]
+
+
+def _one_prompt(prompt: Any, where: str) -> str | list[int]:
     if isinstance(prompt, str) and prompt:
         return text("prompt", prompt)
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         return prompt
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise _bad("prompt", "only one prompt per request is supported; send several requests concurrently.")
-    raise _bad("prompt", f"'prompt' must be a non-empty string or a non-empty list of token ids, "
+    raise _bad("prompt", f"'{where}' must be a non-empty string or a non-empty list of token ids, "
                          f"got {prompt!r:.80}.")
 
 
@@ -195,7 +233,7 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     if not isinstance(body, dict):
         raise APIError(400, f"The request body must be a JSON object, got {type(body).__name__}.")
     _refuse_unsupported(body, chat)
-    prompt = "" if chat else completion_prompt(body)
+    prompts = [""] if chat else completion_prompts(body)
     max_tokens = _int(body, "max_tokens", 1)
     if chat and max_tokens is None:
         max_tokens = _int(body, "max_completion_tokens", 1)
@@ -218,20 +256,30 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     params = dict(
         temperature=_number(body, "temperature", 1.0, 0.0, 1e6),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, True),
-        top_k=top_k, seed=seed, stop_token_ids=stop_ids, ignore_eos=_bool(body, "ignore_eos", False),
+        top_k=top_k, stop_token_ids=stop_ids, ignore_eos=_bool(body, "ignore_eos", False),
+        stop=_stop(body), presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0), logprobs=_logprobs(body, chat),
     )
+    n = _int(body, "n", 1)
+    if n is not None and n > MAX_CHOICES:
+        raise _bad("n", f"'n' must be an integer in [1, {MAX_CHOICES}], got {n}.")
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
         raise _bad("stream_options",
                    "'stream_options' must be an object and is only allowed with stream=true.")
     include_usage = _bool(options or {}, "include_usage", False)
-    return ParsedRequest(prompt, max_tokens, params, _stop(body), stream, include_usage)
+    echo = not chat and _bool(body, "echo", False)
+    return ParsedRequest(prompts, max_tokens, params, stream, include_usage, n or 1, seed, echo)
 
 
-def sampling_params(parsed: ParsedRequest, max_tokens: int) -> SamplingParams:
+def sampling_params(parsed: ParsedRequest, max_tokens: int, choice: int = 0) -> SamplingParams:
+    """Choice `choice`'s parameters: with a seed, choice i samples with seed + i (wrapped to 64 bits)."""
+    seed = parsed.seed
+    if seed is not None and choice:
+        seed = (seed + choice) % 2**64
     try:
-        return SamplingParams(max_tokens=max_tokens, **parsed.params)
+        return SamplingParams(max_tokens=max_tokens, seed=seed, **parsed.params)
     except RequestError as exc:
         raise APIError(400, str(exc)) from exc
 
@@ -246,12 +294,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def choice(chat: bool, text: str, finish_reason: str | None, stream: bool) -> dict:
+def choice(chat: bool, text: str, finish_reason: str | None, stream: bool, index: int = 0,
+           logprobs: dict | None = None) -> dict:
     if not chat:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     key, value = (("delta", {"content": text} if text else {}) if stream
                   else ("message", {"role": "assistant", "content": text}))
-    return {"index": 0, key: value, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": index, key: value, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def envelope(chat: bool, stream: bool, rid: str, created: int, model: str, choices: list[dict],

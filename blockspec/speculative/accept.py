@@ -14,6 +14,10 @@ A tree (tree.py) is judged the same way, walking down from the root: the target'
 (its argmax, or its keyed draw at that node's depth) selects the child holding that token, and the first
 node without one ends the walk with that token as the bonus. Siblings hold distinct tokens, so every
 committed token is again exactly plain decoding's, whatever the tree.
+
+Presence and frequency penalties change each position's logits by the counts of the tokens before it: a
+verified position's are the output so far plus the candidates before it in its row (or its ancestors in a
+tree), exactly what a plain step there would count, since the position is judged only if those were kept.
 """
 
 from __future__ import annotations
@@ -23,21 +27,26 @@ from collections.abc import Callable
 import torch
 
 from blockspec.engine.runner import guarded
-from blockspec.engine.sampler import draw, filtered_probs
+from blockspec.engine.sampler import draw, filtered_probs, penalized
 from blockspec.engine.sequence import Sequence
 from blockspec.sampling_params import SamplingParams
 from blockspec.speculative.tree import Tree
 
-Outcome = tuple[list[int], int]  # a tree row's accepted nodes and its bonus
+# A row's accepted nodes, its bonus, and for a request that needs logits the target's logits at the root and
+# each accepted node ([len(nodes) + 1, V]: they chose the committed tokens), else None.
+Outcome = tuple[list[int], int, torch.Tensor | None]
 
 
 def accept(seq: Sequence, candidates: torch.Tensor, host_candidates: torch.Tensor,
            target: torch.Tensor) -> tuple[int, int]:
     """(accepted count, bonus) for one row's n candidates (on the device and on the CPU) and the target's
-    n + 1 outputs there (greedy token ids for a greedy request, fp32 logits for a sampled one)."""
-    if seq.params.greedy:
+    n + 1 outputs there (greedy token ids, or fp32 logits for a request that `needs_logits`)."""
+    if not seq.needs_logits:
         return greedy_accept(host_candidates, target)
-    return sampled_accept(host_candidates, target, seq.params, seq.seed, seq.next_position)
+    rows = penalized(target, seq.params, seq.output_ids, host_candidates.tolist())
+    if seq.params.greedy:
+        return greedy_accept(host_candidates, rows.argmax(dim=-1).cpu())
+    return sampled_accept(host_candidates, rows, seq.params, seq.seed, seq.next_position)
 
 
 def greedy_accept(drafts: torch.Tensor, choice: torch.Tensor) -> tuple[int, int]:
@@ -64,7 +73,8 @@ def sampled_accept(drafts: torch.Tensor, target_logits: torch.Tensor, params: Sa
 
 def accept_trees(seqs: list[Sequence], trees: list[Tree],
                  outputs: Callable[[list[tuple[int, int]]], list[torch.Tensor]]) -> list[Outcome | None]:
-    """Per row, (its accepted nodes, root to leaf, and the bonus), or None where the row failed
+    """Per row, (its accepted nodes, root to leaf, the bonus, the logits that chose them), or None where the
+    row failed
     (`runner.guarded`). `outputs(wanted)` gives the target's outputs (greedy token ids, or fp32 logits [V]
     for a sampled request) at (row, node) pairs. They are asked for only where the walks go, as an LM head
     over every node of a large tree costs more than the rest of the step: each round, for every row still
@@ -81,7 +91,10 @@ def accept_trees(seqs: list[Sequence], trees: list[Tree],
         for row, (at, path) in list(walks.items()):
             step = guarded(seqs[row], lambda: walk(seqs[row], trees[row], at, path, known[row]))
             if step is None or step[2] is not None:  # failed, or ended with its bonus
-                results[row] = None if step is None else (step[1], step[2])
+                if step is not None:
+                    logits = (torch.stack([known[row][node] for node in [0, *step[1]]])
+                              if seqs[row].needs_logits else None)
+                    results[row] = (step[1], step[2], logits)
                 del walks[row]
             else:
                 walks[row] = step[:2]
@@ -104,8 +117,13 @@ def walk(seq: Sequence, tree: Tree, node: int, path: list[int],
 def descend(seq: Sequence, tree: Tree, node: int, output: torch.Tensor, depth: int) -> tuple[int | None, int]:
     """(the child holding the target's token at a node of this depth, or None, and that token): the
     target's greedy choice, or its keyed draw at that position."""
-    if seq.params.greedy:
+    if not seq.needs_logits:
         token = int(output)
     else:
-        token = draw(filtered_probs(output.unsqueeze(0), seq.params), seq.seed, seq.next_position + depth)[0]
+        ancestors = tree.path_tokens(node)
+        row = penalized(output.unsqueeze(0), seq.params, seq.output_ids + ancestors, [])
+        if seq.params.greedy:
+            token = int(row[0].argmax())
+        else:
+            token = draw(filtered_probs(row, seq.params), seq.seed, seq.next_position + depth)[0]
     return tree.children[node].get(token), token

@@ -16,7 +16,7 @@ import torch
 
 from blockspec.engine.runner import ModelRunner, guarded
 from blockspec.engine.sequence import Sequence
-from blockspec.speculative.accept import accept, accept_trees
+from blockspec.speculative.accept import Outcome, accept, accept_trees
 from blockspec.speculative.dflash import MAX_UNFED, DFlashProposer
 from blockspec.speculative.governor import SpecGovernor
 from blockspec.speculative.lookup import lookups
@@ -111,12 +111,13 @@ class Decoder:
         for row, (seq, outcome) in enumerate(zip(seqs, outcomes)):
             if outcome is None:  # the request failed: it leaves at the end of the step
                 continue
-            path, bonus = outcome
+            path, bonus, logits = outcome
             seq.num_cached += len(path) + 1
             tally(seq, plan.sources[row], len(path) + 1, plan.capture, plan.trees)
             if plan.capture and not plan.drafts:
                 seq.unfed_features.extend(features[row, : len(path) + 1].unbind(0))
-            seq.emit([int(host[row, node - 1]) for node in path] + [bonus])
+            sources = [plan.sources[row]] * len(path) + ["target"]
+            seq.emit([int(host[row, node - 1]) for node in path] + [bonus], sources, logits)
         if plan.capture and not plan.drafts and max(len(s.unfed_features) for s in seqs) >= MAX_UNFED:
             self.draft.catch_up(seqs)
 
@@ -154,10 +155,11 @@ class Decoder:
 
 
 def accept_chain(seq: Sequence, candidates: torch.Tensor, host: torch.Tensor,
-                 target: torch.Tensor) -> tuple[list[int], int]:
-    """A chain's accepted candidates (their places 1.. in the row) and the bonus."""
+                 target: torch.Tensor) -> Outcome:
+    """A chain's accepted candidates (their places 1.. in the row), the bonus, and the logits that chose them
+    (for a request that needs logits)."""
     accepted, bonus = accept(seq, candidates, host, target[: candidates.shape[0] + 1])
-    return list(range(1, accepted + 1)), bonus
+    return list(range(1, accepted + 1)), bonus, target[: accepted + 1] if seq.needs_logits else None
 
 
 def tally(seq: Sequence, source: str, committed: int, speculative: bool, tree: bool = False) -> None:

@@ -51,6 +51,14 @@ class Tree:
             depth.append(depth[parent] + 1)
         return depth
 
+    def path_tokens(self, node: int) -> list[int]:
+        """The tokens of `node`'s ancestors below the root and its own, root side first."""
+        tokens = []
+        while node:
+            tokens.append(self.tokens[node - 1])
+            node = self.parents[node - 1]
+        return tokens[::-1]
+
     def line(self, node: int) -> list[int]:
         """`node` and its most probable descent: its first child (the draft's best), that one's, ..."""
         out = [node]

@@ -1,0 +1,55 @@
+"""What `LLM` hands back: a finished request (`RequestOutput`), and a streamed request's pieces
+(`StreamDelta`) as its tokens are committed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from blockspec.engine.sampler import TokenLogprob
+from blockspec.engine.stats import RequestStats
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    speculative_algorithm: str
+    block_size: int
+    time_to_first_token_s: float
+    decode_time_s: float
+    stats: RequestStats
+    # Per output token: "draft" / "lookup" (a candidate the target verified) or "target" (its own token).
+    token_sources: list[str] = field(default_factory=list)
+    # With SamplingParams(logprobs=k): per output token, its log-probability and the k best under the target.
+    logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def accept_lengths(self) -> list[int]:
+        return self.stats.accept_lengths
+
+    @property
+    def mean_accept_length(self) -> float:
+        return self.stats.mean_accept_length
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first over the time after the first (prefill excluded)."""
+        n = len(self.token_ids) - 1
+        return n / self.decode_time_s if n > 0 and self.decode_time_s > 0 else 0.0
+
+
+@dataclass
+class StreamDelta:
+    """The tokens one engine step committed for a streamed request and the text they add (text that may
+    begin a stop string is held back until it is known not to); the last delta carries the whole `output`."""
+
+    text: str
+    token_ids: list[int]
+    token_sources: list[str]
+    output: RequestOutput | None = None

@@ -1,0 +1,47 @@
+"""The server's periodic progress line while it is busy, as SGLang's and vLLM's servers log one:
+
+    INFO blockspec.server: 3 running, 0 waiting | 48.2 tok/s over 5.0 s | tau 2.31 | KV 1234/10240 (12%)
+
+Nothing is logged while idle; counts cover the interval since the previous line.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger("blockspec.server")
+
+
+class ThroughputLog:
+    def __init__(self, interval: float, speculative: bool) -> None:
+        """`interval`: seconds between lines (0: never); `speculative`: whether the engine verifies drafts
+        (then the line reports tau, the mean tokens per verify step)."""
+        self.interval, self.speculative = interval, speculative
+        self._since = time.perf_counter()
+        self._tokens = 0
+        self._accepts: list[int] = []
+
+    def step(self, tokens: int, accepts: list[int], snapshot: dict[str, float]) -> None:
+        """After an engine step: the output tokens it delivered, its verify steps' accept lengths, and the
+        engine's gauges (`AsyncEngine.snapshot`)."""
+        if not self.interval:
+            return
+        self._tokens += tokens
+        self._accepts += accepts
+        now = time.perf_counter()
+        if now - self._since < self.interval:
+            return
+        if self._tokens or snapshot.get("num_running_requests"):
+            log.info("%s", self.line(now - self._since, snapshot))
+        self._since, self._tokens, self._accepts = now, 0, []
+
+    def line(self, seconds: float, snapshot: dict[str, float]) -> str:
+        used, budget = int(snapshot.get("kv_tokens_used", 0)), int(snapshot.get("kv_tokens_budget", 0))
+        share = f" ({100 * used / budget:.0f}%)" if budget else ""
+        tau = ""
+        if self.speculative and self._accepts:
+            tau = f" | tau {sum(self._accepts) / len(self._accepts):.2f}"
+        return (f"{int(snapshot.get('num_running_requests', 0))} running, "
+                f"{int(snapshot.get('num_waiting_requests', 0))} waiting | "
+                f"{self._tokens / seconds:.1f} tok/s over {seconds:.1f} s{tau} | KV {used}/{budget}{share}")
