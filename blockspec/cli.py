@@ -1,85 +1,67 @@
-"""`blockspec` command line: generate here; bench, bench-serving, serve, train-draft and eval-draft register
-themselves from their packages. Flag names follow SGLang's."""
+"""`blockspec` command line: each package registers its subcommands (generate and chat: terminal/; bench and
+bench-serving: bench/; serve: server/; train-draft and eval-draft: train/). Flag names follow SGLang's.
+
+Nothing heavy is imported to build the parser, so `--help`, `--version` and a mistyped flag answer at once.
+A user's mistake ends in one line on stderr and exit status 2, never a traceback: argparse's own errors
+(`Parser.error`) and every `BlockspecError`, whose messages name the flags (`errors.cli_flags`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
 import sys
 
-from blockspec.config import EngineConfig, add_model_args
-from blockspec.errors import BlockspecError
-from blockspec.sampling_params import add_sampling_args, sampling_from_args
+from blockspec.argparsing import Parser
+from blockspec.errors import BlockspecError, cli_flags
 
 # Each has register(sub), which adds its subcommands.
-SUBCOMMANDS = ("blockspec.bench.cli", "blockspec.server.cli", "blockspec.train.cli")
-DEMO_PROMPT = "Write a Python function that checks whether a number is prime."
+SUBCOMMANDS = ("blockspec.terminal.cli", "blockspec.bench.cli", "blockspec.server.cli", "blockspec.train.cli")
+# Settings whose name differs from the dest of the flag that sets them.
+SETTING_DESTS = {"max_tokens": "max_new_tokens"}
 
 
-def run_generate(args: argparse.Namespace) -> None:
-    from blockspec.llm import LLM
-
-    llm = LLM(EngineConfig.from_args(args))
-    params = sampling_from_args(args)
-    prompt = args.prompt if args.prompt is not None else DEMO_PROMPT
-    if args.chat:
-        out = llm.chat([{"role": "user", "content": prompt}], params)[0]
-    else:
-        out = llm.generate(prompt, params)[0]
-    if args.json:
-        print(json.dumps({
-            "text": out.text, "token_ids": out.token_ids, "num_prompt_tokens": out.num_prompt_tokens,
-            "num_output_tokens": len(out.token_ids), "finish_reason": out.finish_reason,
-            "speculative_algorithm": out.speculative_algorithm, "block_size": out.block_size,
-            **out.stats.summary(), "time_to_first_token_s": round(out.time_to_first_token_s, 4),
-            "decode_tokens_per_s": round(out.decode_tokens_per_s, 3),
-        }))
-        return
-    print(out.text)
-    stats = out.stats
-    note = "" if out.speculative_algorithm == "DFLASH" else " (plain decoding: no DFlash draft in use)"
-    steps = ""
-    if stats.plain_steps:
-        steps = f" over {len(stats.accept_lengths)} DFlash steps + {stats.plain_steps} plain steps"
-    if stats.lookup_accept_lengths:
-        steps += (f"; {len(stats.lookup_accept_lengths)} prompt-lookup steps "
-                  f"(tau {stats.lookup_mean_accept_length:.2f})")
-    print(
-        f"\n[{out.speculative_algorithm}{note}] {len(out.token_ids)} tokens, "
-        f"tau={out.mean_accept_length:.2f}{steps}, {out.decode_tokens_per_s:.1f} tok/s decode, "
-        f"TTFT {out.time_to_first_token_s:.2f}s",
-        file=sys.stderr,
-    )
+def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Setting name -> the flag that sets it, for a subcommand's parser (error messages name flags)."""
+    flags = {}
+    for action in parser._actions:
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if longs and action.dest not in ("help", "version"):
+            flags[action.dest] = longs[0]
+    flags.update({name: flags[dest] for name, dest in SETTING_DESTS.items() if dest in flags})
+    return flags
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="blockspec",
-                                     description="DFlash block-diffusion speculative decoding")
-    sub = parser.add_subparsers(dest="command", required=True)
+def build_parser() -> Parser:
+    from blockspec.version import version
 
-    gen = sub.add_parser("generate", help="generate text for one prompt")
-    gen.add_argument("prompt", nargs="?", default=None)
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    add_sampling_args(gen)
-    add_model_args(gen)
-    gen.set_defaults(func=run_generate)
-
+    parser = Parser(prog="blockspec", description="DFlash block-diffusion speculative decoding")
+    parser.add_argument("--version", action="version", version=f"blockspec {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
     for module in SUBCOMMANDS:
         importlib.import_module(module).register(sub)
     return parser
 
 
+def subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subs.choices[name]
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
-        args.func(args)
+        with cli_flags(flag_names(subcommand_parser(parser, args.command))):
+            args.func(args)
     except BlockspecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     return 0
 
 

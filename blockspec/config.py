@@ -8,21 +8,41 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
-from blockspec.errors import BlockspecError
+from blockspec.errors import BlockspecError, setting
+from blockspec.paths import check_folder
 
 if TYPE_CHECKING:
     import torch
 
 ALGORITHMS = ("DFLASH", "NONE")
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1")
-# The command-line flag of each field whose name differs, for error messages.
-FLAGS = {"max_num_seqs": "--max-running-requests", "max_total_tokens": "--max-total-tokens",
-         "prefill_tokens_per_step": "--prefill-tokens-per-step", "max_model_len": "--max-model-len",
-         "threads": "--threads", "block_size": "--block-size", "mask_token_id": "--mask-token-id",
-         "seed": "--seed", "speculative_tree_budget": "--speculative-tree-budget",
-         "speculative_tree_topk": "--speculative-tree-topk", "tp_size": "--tp-size"}
 MAX_TREE_BUDGET = 64
+MAX_BLOCK_SIZE = 64
+MAX_SLOTS = 4096  # requests decoded together: each holds a KV slot
+MAX_THREADS = 1024
 TREE_RULES = ("best-first", "spine-first")
+# Integer settings: (lowest, highest, what the value means); None is allowed for those in OPTIONAL.
+RANGES = {
+    "block_size": (2, MAX_BLOCK_SIZE, " (the pending token plus the drafted ones), or unset for the draft's "
+                                      "own"),
+    "mask_token_id": (0, 2**31 - 1, " (an existing token id)"),
+    "seed": (-(2**63), 2**64 - 1, ""),
+    "max_model_len": (1, 2**24, " (tokens of context)"),
+    "max_num_seqs": (1, MAX_SLOTS, " (requests decoded together)"),
+    "max_total_tokens": (1, 2**31 - 1, " (KV tokens)"),
+    "prefill_tokens_per_step": (1, 2**20, ""),
+    "prompt_lookup_ngram": (0, 64, " (the shortest context match whose continuation is proposed; 0: off)"),
+    "prompt_lookup_block_size": (2, 64, " (the pending token + the proposed tokens verified in one pass), "
+                                        "or unset for max(4, block size)"),
+    "speculative_tree_budget": (0, MAX_TREE_BUDGET, ": the candidate nodes a DFlash step verifies beyond "
+                                                    "its pending token (0: the draft's chain only)"),
+    "speculative_tree_topk": (1, MAX_TREE_BUDGET, ": the draft's best tokens per block position a tree may "
+                                                  "hold"),
+    "threads": (1, MAX_THREADS, " (CPU threads)"),
+    "tp_size": (1, 1024, " (tensor-parallel ranks)"),
+}
+OPTIONAL = {"block_size", "mask_token_id", "seed", "max_model_len", "max_total_tokens",
+            "prefill_tokens_per_step", "prompt_lookup_block_size", "threads"}
 
 
 def _positive(value: object) -> bool:
@@ -61,70 +81,61 @@ class EngineConfig:
     tp_backend: str = "auto"  # torch.distributed backend: auto (gloo on the CPU, NCCL on CUDA), gloo, nccl
 
     def __post_init__(self) -> None:
+        """Every value checked here, before anything loads; messages name the flags under the CLI
+        (`errors.setting`)."""
         import torch
 
         from blockspec.device import resolve_device, resolve_dtype  # torch: imported when a config is made
 
-        algorithm = (self.speculative_algorithm or "").upper() or None
-        if algorithm is not None and algorithm not in ALGORITHMS:
-            raise BlockspecError(f"speculative_algorithm={self.speculative_algorithm!r} is not supported; "
-                                 f"use one of {ALGORITHMS}.")
-        object.__setattr__(self, "speculative_algorithm", algorithm)
+        algorithm = self.speculative_algorithm
+        if algorithm is not None and (not isinstance(algorithm, str) or algorithm.upper() not in ALGORITHMS):
+            raise BlockspecError(f"{setting('speculative_algorithm')}={algorithm!r:.80} is not supported; "
+                                 f"use one of {', '.join(ALGORITHMS)}.")
+        object.__setattr__(self, "speculative_algorithm", algorithm.upper() if algorithm else None)
+        if self.model_path is not None:
+            check_folder(self.model_path, "model_path", "a Hugging Face checkpoint folder (config.json, "
+                         "*.safetensors, tokenizer.json), or none for the embedded SmolLM2", needs=None)
+        if self.draft_model_path is not None:
+            check_folder(self.draft_model_path, "draft_model_path", "a DFlash draft folder (config.json and "
+                         "model.safetensors, z-lab format)", needs=None)
         device = resolve_device(self.device)
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
         if self.quantization not in QUANTIZATIONS:
-            raise BlockspecError(f"quantization={self.quantization!r} (--quantization) is not supported; "
+            raise BlockspecError(f"{setting('quantization')}={self.quantization!r:.80} is not supported; "
                                  f"use one of {', '.join(QUANTIZATIONS)}.")
         if (self.quantization not in ("auto", "none")
                 and (device.type != "cpu" or self.dtype != torch.float32)):
-            raise BlockspecError(f"--quantization {self.quantization}: block-quantized weights run on the "
-                                 f"CPU with float32 activations, not on {device} in {self.dtype}. "
-                                 f"Use --device cpu --dtype float32, or --quantization none.")
+            raise BlockspecError(f"{setting('quantization')}={self.quantization}: block-quantized weights "
+                                 f"run on the CPU with float32 activations, not on {device} in {self.dtype}. "
+                                 f"Use {setting('device')}=cpu {setting('dtype')}=float32, or "
+                                 f"{setting('quantization')}=none.")
         if not isinstance(self.adaptive_speculation, bool):
-            raise BlockspecError(f"adaptive_speculation={self.adaptive_speculation!r} must be True or "
+            raise BlockspecError(f"adaptive_speculation={self.adaptive_speculation!r:.80} must be True or "
                                  f"False.")
-        ngram = self.prompt_lookup_ngram
-        if isinstance(ngram, bool) or not isinstance(ngram, int) or ngram < 0:
-            raise BlockspecError(f"prompt_lookup_ngram={ngram!r} must be an integer >= 1 (the shortest "
-                                 f"context match whose continuation is proposed), or 0 to turn prompt "
-                                 f"lookup off.")
-        width = self.prompt_lookup_block_size
-        if width is not None and (not _positive(width) or not 2 <= width <= 64):
-            raise BlockspecError(f"prompt_lookup_block_size={width!r} must be an integer in [2, 64] (the "
-                                 f"pending token + the proposed tokens verified in one pass), or None for "
-                                 f"max(4, block size).")
-        budget, topk = self.speculative_tree_budget, self.speculative_tree_topk
-        if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= MAX_TREE_BUDGET:
-            raise BlockspecError(f"speculative_tree_budget={budget!r} (--speculative-tree-budget) must be an "
-                                 f"integer in [0, {MAX_TREE_BUDGET}]: the candidate nodes a DFlash step "
-                                 f"verifies beyond its pending token (0: the draft's chain only).")
-        if not _positive(topk) or topk > MAX_TREE_BUDGET:
-            raise BlockspecError(f"speculative_tree_topk={topk!r} (--speculative-tree-topk) must be an "
-                                 f"integer in [1, {MAX_TREE_BUDGET}]: the draft's best tokens per block "
-                                 f"position a tree may hold.")
-        if self.speculative_tree_rule not in TREE_RULES:
-            raise BlockspecError(f"speculative_tree_rule={self.speculative_tree_rule!r} "
-                                 f"(--speculative-tree-rule) must be one of {', '.join(TREE_RULES)}.")
-        for name in ("max_num_seqs", "max_total_tokens", "prefill_tokens_per_step", "max_model_len",
-                     "threads", "tp_size"):
-            value = getattr(self, name)
-            if value is not None and not _positive(value):
-                raise BlockspecError(f"{name}={value!r} ({FLAGS[name]}) must be an integer >= 1.")
-        for name in ("block_size", "mask_token_id", "seed"):  # ranges: the draft's and torch's to check
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise BlockspecError(f"{name}={value!r} ({FLAGS[name]}) must be an integer.")
+        self._check_ranges()
 
         from blockspec.distributed import check_devices, resolve_backend
 
         resolve_backend(self.tp_backend, device)
         check_devices(self.tp_size, device)
+
+    def _check_ranges(self) -> None:
+        for name, (low, high, meaning) in RANGES.items():
+            value = getattr(self, name)
+            if value is None and name in OPTIONAL:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise BlockspecError(f"{setting(name)}={value!r:.80} must be an integer in [{low}, {high}]"
+                                     f"{meaning}.")
         ratio = self.prefill_decode_ratio
         if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
                                   or not 0 <= ratio <= 1e6):
-            raise BlockspecError(f"prefill_decode_ratio={ratio!r} (--prefill-decode-ratio) must be a "
-                                 f"number in [0, 1e6].")
+            raise BlockspecError(f"{setting('prefill_decode_ratio')}={ratio!r:.80} must be a number in "
+                                 f"[0, 1e6].")
+        if self.speculative_tree_rule not in TREE_RULES:
+            raise BlockspecError(f"{setting('speculative_tree_rule')}={self.speculative_tree_rule!r:.80} "
+                                 f"must be one of {', '.join(TREE_RULES)}.")
 
     def weight_blocks(self, embedded: bool) -> str | None:
         """How the target holds its weights: None (dense, in `dtype`), a block type for every linear layer,

@@ -3,11 +3,14 @@ matmuls are fast here."""
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
 from pathlib import Path
 
 import torch
 
-from blockspec.errors import BlockspecError
+from blockspec.errors import BlockspecError, setting
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,15 +30,16 @@ def resolve_device(name: str | torch.device | None) -> torch.device:
         return torch.device("cpu")
     if key is not None and (key == "cuda" or (key.startswith("cuda:") and key[5:].isdigit())):
         if not torch.cuda.is_available():
-            raise BlockspecError(f"--device {name!r}: no CUDA device is visible to torch (torch "
-                                 f"{torch.__version__}, CUDA build {torch.version.cuda}). Use --device cpu, "
+            raise BlockspecError(f"{setting('device')}={name!r}: no CUDA device is visible to torch (torch "
+                                 f"{torch.__version__}, CUDA build {torch.version.cuda}). Use "
+                                 f"{setting('device')}=cpu, "
                                  f"which blockspec supports.")
         if key != "cuda" and int(key[5:]) >= torch.cuda.device_count():
             count = torch.cuda.device_count()
-            raise BlockspecError(f"--device {name!r}: only {count} CUDA device(s) are visible "
+            raise BlockspecError(f"{setting('device')}={name!r}: only {count} CUDA device(s) are visible "
                                  f"(cuda:0..cuda:{count - 1}). Pick one of those.")
         return torch.device(key)
-    raise BlockspecError(f"Unsupported --device {name!r}: blockspec accepts {accepted}.")
+    raise BlockspecError(f"Unsupported {setting('device')}={name!r}: blockspec accepts {accepted}.")
 
 
 def has_fast_bf16(device: torch.device) -> bool:
@@ -58,11 +62,28 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return DTYPES[dtype]
 
 
+def allowed_cpus() -> int:
+    """The CPUs this process may use: its affinity mask (taskset, a cpuset), bounded by a cgroup CPU quota
+    (a container's --cpus), not every core of the machine."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    with contextlib.suppress(OSError, ValueError, ZeroDivisionError):
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    return max(1, cpus)
+
+
 def set_threads(threads: int | None) -> None:
-    """torch's intra-op CPU threads (None: leave torch's choice). On a shared 2-core machine one thread per
-    process avoids OpenMP threads spinning against each other."""
+    """torch's intra-op CPU threads. None: no more than the CPUs this process may use (`allowed_cpus`; torch's
+    own choice when it is already within them, as its OpenMP runtime reads the affinity mask but not a cgroup
+    quota). More threads than CPUs only wait on each other."""
     if threads is None:
+        if torch.get_num_threads() > allowed_cpus():
+            torch.set_num_threads(allowed_cpus())
         return
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise BlockspecError(f"--threads={threads!r} must be an integer >= 1.")
+        raise BlockspecError(f"{setting('threads')}={threads!r} must be an integer >= 1.")
     torch.set_num_threads(threads)

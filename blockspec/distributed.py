@@ -17,7 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from blockspec.errors import BlockspecError
+from blockspec.device import allowed_cpus
+from blockspec.errors import BlockspecError, setting
 
 BACKENDS = ("auto", "gloo", "nccl")
 # Ranks wait for rank 0's next command as long as a server stays idle; a dead peer still fails a
@@ -119,11 +120,12 @@ def shard_range(total: int, group: TPGroup) -> tuple[int, int]:
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
-        raise BlockspecError(f"tp_backend={backend!r} (--tp-backend) is not supported; use one of "
+        raise BlockspecError(f"{setting('tp_backend')}={backend!r:.80} is not supported; use one of "
                              f"{', '.join(BACKENDS)}.")
     if backend == "nccl" and device.type != "cuda":
-        raise BlockspecError(f"--tp-backend nccl needs CUDA devices, but the engine runs on {device}. Use "
-                             f"--tp-backend gloo (or auto) on the CPU, or --device cuda.")
+        raise BlockspecError(f"{setting('tp_backend')}=nccl needs CUDA devices, but the engine runs on "
+                             f"{device}. Use {setting('tp_backend')}=gloo (or auto) on the CPU, or "
+                             f"{setting('device')}=cuda.")
     if backend == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
     return backend
@@ -135,14 +137,15 @@ def check_devices(tp_size: int, device: torch.device) -> None:
     if tp_size == 1:
         return
     local = int(os.environ.get("LOCAL_WORLD_SIZE", tp_size))
-    cores = os.cpu_count() or 1
+    cores = allowed_cpus()
     if device.type == "cpu" and local > cores:
-        raise BlockspecError(f"--tp-size {tp_size} puts {local} ranks on this machine's {cores} CPU cores; "
-                             f"each rank needs a core of its own. Use --tp-size {cores} or fewer.")
+        raise BlockspecError(f"{setting('tp_size')}={tp_size} puts {local} ranks on this machine's "
+                             f"{cores} CPU cores; each rank needs a core of its own. Use "
+                             f"{setting('tp_size')}={cores} or fewer.")
     if device.type == "cuda" and tp_size > torch.cuda.device_count():
-        raise BlockspecError(f"--tp-size {tp_size} needs {tp_size} CUDA devices (one per rank), but "
-                             f"{torch.cuda.device_count()} are visible. Lower --tp-size or make more "
-                             f"devices visible (CUDA_VISIBLE_DEVICES).")
+        raise BlockspecError(f"{setting('tp_size')}={tp_size} needs {tp_size} CUDA devices (one per rank), "
+                             f"but {torch.cuda.device_count()} are visible. Lower {setting('tp_size')} or "
+                             f"make more devices visible (CUDA_VISIBLE_DEVICES).")
 
 
 def launched() -> bool:
@@ -167,7 +170,7 @@ def join(tp_size: int, device: torch.device, backend: str, rank: int | None = No
     if rank is None:
         world = int(os.environ["WORLD_SIZE"])
         if world != tp_size:
-            raise BlockspecError(f"--tp-size {tp_size} but the launcher started {world} ranks "
+            raise BlockspecError(f"{setting('tp_size')}={tp_size} but the launcher started {world} ranks "
                                  f"(WORLD_SIZE); launch with --nproc-per-node x --nnodes = {tp_size}.")
         rank = int(os.environ["RANK"])
         dist.init_process_group(backend, timeout=IDLE_TIMEOUT)

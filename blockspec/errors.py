@@ -29,10 +29,13 @@ class RequestError(BlockspecError):
 _flags: ContextVar[dict[str, str] | None] = ContextVar("blockspec_flags", default=None)
 
 
-def setting(name: str) -> str:
-    """A setting as the user spelled it: its command-line flag under `cli_flags`, else the API field name."""
+def setting(name: str, api: str | None = None) -> str:
+    """A setting as the user spelled it: its command-line flag under `cli_flags`, else the API field name
+    (or `api`, e.g. "resume=True" for a flag that takes no value)."""
     flags = _flags.get()
-    return flags.get(name, name) if flags is not None else name
+    if flags is not None and name in flags:
+        return flags[name]
+    return api or name
 
 
 @contextlib.contextmanager

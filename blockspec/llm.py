@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -17,7 +17,7 @@ from blockspec.engine.runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler, run_to_completion
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.text_stream import TextStream, follow_text
-from blockspec.errors import BlockspecError, DraftConfigError, RequestError
+from blockspec.errors import BlockspecError, DraftConfigError, RequestError, setting
 from blockspec.models.config import ModelConfig
 from blockspec.models.default_model import ensure_default_model, gguf_path
 from blockspec.models.loader import load_draft, load_target
@@ -82,40 +82,39 @@ class LLM:
             draft_path = str(DEFAULT_DRAFT)
         if cfg.speculative_algorithm == "DFLASH" and draft_path is None:
             raise DraftConfigError(
-                "DFLASH speculative decoding requires a draft: pass --draft-model-path (alias "
-                "--speculative-draft-model-path), or use --speculative-algorithm NONE for plain decoding."
-            )
+                f"DFLASH speculative decoding requires a draft: pass {setting('draft_model_path')}, or use "
+                f"{setting('speculative_algorithm')}=NONE for plain decoding.")
         if cfg.speculative_algorithm == "NONE" and draft_path is not None:
             log.warning("speculative_algorithm=NONE: ignoring draft_model_path=%s", draft_path)
             draft_path = None
         self.draft_model_path = draft_path
-        gguf = gguf_path() if embedded and self.weight_blocks is not None else None
-        self.target = load_target(self.model_path, self.dtype, self.device, self.weight_blocks, gguf,
-                                  self.tp)
-        self.target.fold_norm_weights()
+        # What can be wrong is found before the target's weights load: its config, tokenizer and the draft.
+        target_cfg = ModelConfig.from_folder(self.model_path)
+        self.max_model_len = cfg.max_model_len or min(target_cfg.max_position_embeddings, 4096)
+        if self.max_model_len > target_cfg.max_position_embeddings:
+            raise BlockspecError(
+                f"{setting('max_model_len')}={self.max_model_len} exceeds the target's "
+                f"max_position_embeddings={target_cfg.max_position_embeddings}; lower it.")
         self.tokenizer = Tokenizer.from_folder(self.model_path)
         self.draft = None
         if draft_path is not None:
             self.draft = load_draft(
-                draft_path, self.target.config, self.dtype, self.device, self.tokenizer.token_to_id,
+                draft_path, target_cfg, self.dtype, self.device, self.tokenizer.token_to_id,
                 cli_block_size=cfg.block_size, cli_mask_token=cfg.mask_token,
                 cli_mask_token_id=cfg.mask_token_id,
             )
         self.speculative_algorithm = "DFLASH" if self.draft is not None else "NONE"
-        target_cfg = self.target.config
-        self.max_model_len = cfg.max_model_len or min(target_cfg.max_position_embeddings, 4096)
-        if self.max_model_len > target_cfg.max_position_embeddings:
-            raise BlockspecError(
-                f"max_model_len={self.max_model_len} exceeds the target's max_position_embeddings="
-                f"{target_cfg.max_position_embeddings}; lower it."
-            )
         self.speculation = None
         if self.draft is not None:
             vocab = self.draft.vocab.numel() if self.draft.vocab is not None else target_cfg.vocab_size
             self.speculation = Speculation.from_config(cfg, self.draft.config, vocab)
         elif cfg.speculative_tree_budget:
-            raise DraftConfigError("speculative_tree_budget needs a DFlash draft (trees are built from its "
-                                   "proposals); this LLM decodes without one.")
+            raise DraftConfigError(f"{setting('speculative_tree_budget')} needs a DFlash draft (trees are "
+                                   f"built from its proposals); this LLM decodes without one.")
+        gguf = gguf_path() if embedded and self.weight_blocks is not None else None
+        self.target = load_target(self.model_path, self.dtype, self.device, self.weight_blocks, gguf,
+                                  self.tp)
+        self.target.fold_norm_weights()
         slab_len = self.max_model_len + (self.speculation.step_width if self.speculation else 1)
         for model in (self.target, self.draft):
             if model is not None:
@@ -231,10 +230,12 @@ class LLM:
         return [self.output(seq, scheduler.decoder.speculative, texts.get(seq.seq_id)) for seq in seqs]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
-               speculative_algorithm: str | None = None) -> Iterator[StreamDelta]:
+               speculative_algorithm: str | None = None,
+               should_stop: Callable[[], bool] | None = None) -> Iterator[StreamDelta]:
         """Generate for one prompt, yielding each engine step's new tokens and text as they are committed;
-        the last delta holds the whole `RequestOutput`. Closing the iterator early (`.close()`, or leaving
-        a for loop) stops the request between two steps and frees its KV slot."""
+        the last delta holds the whole `RequestOutput`. `should_stop` is asked between steps: when it says
+        so the request ends there (finish_reason "abort") with what it has. Closing the iterator early also
+        stops the request between two steps and frees its KV slot (without a last delta)."""
         scheduler = self.scheduler(speculative_algorithm)
         seq = self.sequence(prompt, params or SamplingParams())
         text = TextStream(self.tokenizer, seq.params.stop)
@@ -242,7 +243,10 @@ class LLM:
         sent = 0
         try:
             while not seq.finished:
-                scheduler.step()
+                if should_stop is not None and should_stop():
+                    scheduler.abort(seq.seq_id)
+                else:
+                    scheduler.step()
                 piece = follow_text(scheduler, seq, text)
                 if len(seq.output_ids) > sent or piece:
                     yield StreamDelta(piece, seq.output_ids[sent:], seq.token_sources[sent:])
@@ -269,6 +273,7 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def output(self, seq: Sequence, speculative: bool, text: TextStream | None = None) -> RequestOutput:
+        first = seq.first_token_time  # None: stopped before its first token
         return RequestOutput(
             prompt_token_ids=seq.prompt_ids,
             text=text.text if text is not None else self.tokenizer.decode(seq.output_ids),
@@ -276,8 +281,8 @@ class LLM:
             finish_reason=seq.finish_reason,
             speculative_algorithm="DFLASH" if speculative else "NONE",
             block_size=self.block_size if speculative else 1,
-            time_to_first_token_s=seq.first_token_time - seq.arrival_time,
-            decode_time_s=seq.finish_time - seq.first_token_time,
+            time_to_first_token_s=(first - seq.arrival_time) if first is not None else 0.0,
+            decode_time_s=(seq.finish_time - first) if first is not None else 0.0,
             stats=seq.stats,
             token_sources=list(seq.token_sources),
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from blockspec.config import EngineConfig
+from blockspec.device import allowed_cpus
 from blockspec.distributed import TPGroup, free_address, join, launched, leave
 from blockspec.engine.mirror import Mirror
 from blockspec.errors import BlockspecError
@@ -27,11 +28,12 @@ RankMain = Callable[[int, str, EngineConfig], None]  # a spawned rank's work: (r
 
 def rank_threads(cfg: EngineConfig) -> int | None:
     """Intra-op threads per rank: as asked, or on the CPU this machine's cores shared by its ranks (N ranks
-    each spinning torch's default thread count would fight over the same cores)."""
+    each spinning torch's default thread count would fight over the same cores): the CPUs this process may
+    use, shared."""
     if cfg.threads is not None or cfg.tp_size == 1 or cfg.device.type != "cpu":
         return cfg.threads
     local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.tp_size))
-    return max(1, (os.cpu_count() or 1) // local)
+    return max(1, allowed_cpus() // local)
 
 
 def start_ranks(cfg: EngineConfig, rank_main: RankMain) -> tuple[TPGroup, list]:

@@ -91,20 +91,34 @@ class SamplingParams:
         return not self.greedy or self.penalized or self.logprobs is not None
 
 
-def add_sampling_args(p: argparse.ArgumentParser, max_tokens_flag: str = "--max-new-tokens") -> None:
-    """Command-line flags for a run's SamplingParams (`sampling_from_args`)."""
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens_flag: str = "--max-new-tokens",
+                      max_tokens: int = 128, extras: bool = False) -> None:
+    """Command-line flags for a run's SamplingParams (`sampling_from_args`); `extras`: the penalties and
+    stop strings too."""
     g = p.add_argument_group("sampling")
-    g.add_argument(max_tokens_flag, dest="max_new_tokens", type=int, default=128, metavar="N",
-                   help="most tokens to generate per answer (default 128)")
+    g.add_argument(max_tokens_flag, dest="max_new_tokens", type=int, default=max_tokens, metavar="N",
+                   help="most tokens to generate per answer")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                   help="sampling temperature; 0 picks the most likely token (greedy) (default 0)")
+                   help="sampling temperature; 0 picks the most likely token (greedy)")
     g.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                   help="sample only from the most likely tokens holding this much probability (default 1: "
-                        "all)")
+                   help="sample only from the most likely tokens holding this much probability (1: all)")
     g.add_argument("--top-k", type=int, default=0, metavar="K",
-                   help="sample only from the K most likely tokens (default 0: no limit)")
+                   help="sample only from the K most likely tokens (0: no limit)")
+    if not extras:
+        return
+    g.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
+                   help="subtract X from the logit of every token already in the answer, in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
+                   help="subtract X times its count from the logit of every token in the answer, in [-2, 2]")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="end the answer where TEXT first appears (cut before it); repeatable "
+                        "(default: none)")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    extra = {}
+    if hasattr(args, "presence_penalty"):
+        extra = dict(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                     stop=args.stop or [])
     return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed)
+                          top_k=args.top_k, seed=args.seed, **extra)

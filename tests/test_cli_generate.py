@@ -55,8 +55,8 @@ def test_generate_json(tiny, algorithm):
         (["--block-size", "1"], "block"),
         (["--mask-token-id", "500"], "--mask-token-id=500 is outside the target embedding"),
         (["--temperature", "-1"], "temperature=-1"),
-        (["--max-new-tokens", "0"], "max_tokens=0"),
-        (["--prompt-lookup-ngram", "-1"], "prompt_lookup_ngram=-1 must be an integer >= 1"),
+        (["--max-new-tokens", "0"], "--max-new-tokens=0 must be an integer >= 1"),
+        (["--prompt-lookup-ngram", "-1"], "--prompt-lookup-ngram=-1 must be an integer in [0, 64]"),
         (["--speculative-algorithm", "DFLASH", "--draft-model-path", "/no/such/draft"], "does not exist"),
     ],
 )
@@ -81,7 +81,7 @@ def test_api_lengths_and_prompts(tiny):
     with pytest.raises(BlockspecError, match="speculative_algorithm"):
         LLM(model_path=target, speculative_algorithm="EAGLE")
     with pytest.raises(BlockspecError,
-                       match=r"prompt_lookup_ngram=-1 must be an integer >= 1 .* or 0 to turn"):
+                       match=r"prompt_lookup_ngram=-1 must be an integer in \[0, 64\] .*0: off"):
         LLM(model_path=target, prompt_lookup_ngram=-1)
     with pytest.raises(BlockspecError, match=r"prompt_lookup_block_size=1 must be an integer in \[2, 64\]"):
         LLM(model_path=target, prompt_lookup_block_size=1)

@@ -11,8 +11,9 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from blockspec.cli import build_parser, flag_names, subcommand_parser
 from blockspec.models.config import ModelConfig
-from blockspec.errors import BlockspecError, DraftConfigError
+from blockspec.errors import BlockspecError, DraftConfigError, cli_flags
 from blockspec.device import resolve_device
 from blockspec.models.draft_config import DraftConfig, default_target_layer_ids, resolve_draft_config
 from blockspec.models.draft_tensors import check_draft_tensors, draft_tensor_shapes
@@ -56,9 +57,14 @@ class Warnings(list):
         self.append(msg)
 
 
+# The messages name what the user typed; these tests check the command line's wording (the flags).
+CLI = flag_names(subcommand_parser(build_parser(), "generate"))
+
+
 def resolve(raw: dict, target: ModelConfig = SMOL, **kw: Any) -> DraftConfig:
     kw.setdefault("warn", Warnings())
-    return resolve_draft_config(raw, target=target, **kw)
+    with cli_flags(CLI):
+        return resolve_draft_config(raw, target=target, **kw)
 
 
 def fails(raw: dict, pattern: str, target: ModelConfig = SMOL, **kw: Any) -> str:
@@ -295,8 +301,8 @@ def test_block_size_resolution_order() -> None:
 
 def test_block_size_must_be_at_least_two() -> None:
     msg = fails(smol_draft(), r"--block-size=1 is too small", cli_block_size=1)
-    assert "--speculative-algorithm NONE" in msg
-    fails(smol_draft(block_size=1), r"block_size=1 is too small.*--speculative-algorithm NONE")
+    assert "--speculative-algorithm=NONE" in msg
+    fails(smol_draft(block_size=1), r"block_size=1 is too small.*--speculative-algorithm=NONE")
     fails(smol_draft(block_size=0), r"block_size=0 must be positive")
     fails(smol_draft(), r"invalid --block-size=True", cli_block_size=True)
     fails(smol_draft(), r"invalid --block-size='16'", cli_block_size="16")
@@ -346,6 +352,22 @@ def test_mask_token_id_resolution_order() -> None:
     assert "--mask-token-id=7" in warns[0] and "mask_token_id=40" in warns[0]
     cfg = resolve(smol_draft(), cli_mask_token="<pad>", token_to_id=lookup)
     assert (cfg.mask_token, cfg.mask_token_id) == ("<pad>", 2)
+
+
+def test_a_mask_token_the_vocabulary_lacks() -> None:
+    """Named on the command line, it is refused even when the config has an id (never silently replaced);
+    named in the config beside an id, it is warned about and the id used."""
+    lookup = vocab({"<|MASK|>": 40})
+    raw = smol_draft(dflash_config={"mask_token_id": 40})
+    msg = fails(raw, r"--speculative-dflash-mask-token='notatoken' is not in the target tokenizer's "
+                     r"vocabulary", cli_mask_token="notatoken", token_to_id=lookup)
+    assert "dflash_config.mask_token_id=40" in msg
+    with pytest.raises(DraftConfigError, match=r"^DFLASH mask_token='notatoken' is not in"):
+        resolve_draft_config(raw, target=SMOL, cli_mask_token="notatoken", token_to_id=lookup)  # the API
+    warns = Warnings()
+    raw = smol_draft(dflash_config={"mask_token": "<|gone|>", "mask_token_id": 40})
+    assert resolve(raw, token_to_id=lookup, warn=warns).mask_token_id == 40
+    assert len(warns) == 1 and "'<|gone|>' is not in the target tokenizer's vocabulary" in warns[0]
 
 
 def test_mask_token_id_conflicts_with_tokenizer() -> None:
@@ -462,11 +484,14 @@ def test_resolve_device(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_device(None) == torch.device("cpu") == resolve_device("auto")
     for name in ["cuda", "cuda:1"]:
         with pytest.raises(BlockspecError,
-                           match=rf"--device '{name}': no CUDA device is visible.*--device cpu"):
-            resolve_device(name)
+                           match=rf"device='{name}': no CUDA device is visible.*device=cpu"):
+            resolve_device(name)  # an API message names the API's field
+        with pytest.raises(BlockspecError, match=rf"--device='{name}': no CUDA device is visible"):
+            with cli_flags(CLI):
+                resolve_device(name)  # the CLI's, the flag
     for name in ["npu", "mps", "tpu", "gpu", "cuda:x", "", 3]:
         with pytest.raises(BlockspecError,
-                           match=r"Unsupported --device .*'cpu', 'cuda', 'cuda:N' or 'auto'"):
+                           match=r"Unsupported device=.*'cpu', 'cuda', 'cuda:N' or 'auto'"):
             resolve_device(name)  # type: ignore[arg-type]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

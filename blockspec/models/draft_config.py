@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from blockspec.errors import DraftConfigError
+from blockspec.errors import DraftConfigError, setting
 from blockspec.models.config import ModelConfig
 
 _log = logging.getLogger(__name__)
@@ -164,24 +164,34 @@ def _resolve_mask(raw: dict, dcfg: dict, source: str, has_embed: bool, bound: in
                   cli_token: str | None, cli_id: int | None,
                   token_to_id: Callable[[str], int | None] | None, warn: Warn) -> tuple[str | None, int]:
     cfg_token, token_where = _get(raw, dcfg, "mask_token")
-    token, token_where = (cli_token, "--speculative-dflash-mask-token") if cli_token is not None else (
+    token, token_where = (cli_token, setting("mask_token")) if cli_token is not None else (
         cfg_token, token_where)
     if token is not None and (not isinstance(token, str) or not token):
         raise DraftConfigError(f"DFLASH mask_token must be a non-empty string, got {token_where}={token!r}. "
                                f"Give the token's text (e.g. '<|MASK|>'); "
-                               f"to give an id use --mask-token-id.")
+                               f"to give an id use {setting('mask_token_id')}.")
     cfg_id, id_where = _get(raw, dcfg, "mask_token_id")
     if cfg_id is not None:
         _int(cfg_id, id_where, source, minimum=0)
     if cli_id is not None:
-        _int(cli_id, "--mask-token-id", "command line", minimum=0, fix="Pass an existing token id.")
+        _int(cli_id, setting("mask_token_id"), "given", minimum=0, fix="Pass an existing token id.")
         if cfg_id is not None and cfg_id != cli_id:
-            warn(f"DFLASH --mask-token-id={cli_id} overrides the draft's {id_where}={cfg_id} ({source}); "
+            warn(f"DFLASH {setting('mask_token_id')}={cli_id} overrides the draft's {id_where}={cfg_id} "
+                 f"({source}); "
                  f"the draft was trained with {cfg_id}.")
     explicit = cli_id if cli_id is not None else cfg_id
-    where = "--mask-token-id" if cli_id is not None else id_where
+    where = setting("mask_token_id") if cli_id is not None else id_where
     vocab_id = token_to_id(token) if (token is not None and token_to_id is not None) else None
     vocab_id = vocab_id if _is_int(vocab_id) and vocab_id >= 0 else None  # type: ignore[operator]
+    if token is not None and token_to_id is not None and vocab_id is None and explicit is not None:
+        if cli_token is not None:  # asked for by name: never silently replaced by the config's id
+            raise DraftConfigError(
+                f"DFLASH {token_where}={token!r} is not in the target tokenizer's vocabulary, so it cannot "
+                f"be the mask token. Drop it to use {where}={explicit} "
+                f"({source if cli_id is None else 'given'}), or name a token the vocabulary has, or pass "
+                f"{setting('mask_token_id')} with an id.")
+        warn(f"DFLASH {source}: {token_where}={token!r} is not in the target tokenizer's vocabulary; using "
+             f"{where}={explicit}.")
     if explicit is not None and vocab_id is not None and vocab_id != explicit:
         raise DraftConfigError(
             f"DFLASH config mismatch: {where}={explicit} conflicts with the tokenizer, which maps "
@@ -195,7 +205,8 @@ def _resolve_mask(raw: dict, dcfg: dict, source: str, has_embed: bool, bound: in
         raise DraftConfigError(
             f"DFLASH cannot resolve a mask token id for mask_token={token!r} ({source}): {why}. Adding the "
             f"token would need vocab expansion, which blockspec refuses: the {table} embedding has no "
-            f"trained row for a new token. Pass --mask-token-id with an existing reserved/unused token id, "
+            f"trained row for a new token. Pass {setting('mask_token_id')} with an existing reserved/unused "
+            f"token id, "
             f"or use the id the draft was trained with (its dflash_config.mask_token_id).")
     mask_id = explicit if explicit is not None else vocab_id
     if bound is not None and mask_id >= bound:  # type: ignore[operator]
@@ -206,7 +217,7 @@ def _resolve_mask(raw: dict, dcfg: dict, source: str, has_embed: bool, bound: in
             f"DFLASH {source}: {label} is outside "
             f"{vocab_note(has_embed, bound)}; ids must be < {bound}. A new token would need vocab "
             f"expansion, which blockspec refuses. Use a draft and target from the same release, or pass "
-            f"--mask-token-id with a reserved/unused token id < {bound}.")
+            f"{setting('mask_token_id')} with a reserved/unused token id < {bound}.")
     return token, mask_id  # type: ignore[return-value]
 
 
@@ -222,18 +233,19 @@ def _block_size(raw: dict, dcfg: dict, source: str, cli: int | None, warn: Warn)
     if trained is not None:
         _int(trained, where, source)
     if cli is not None:
-        _int(cli, "--block-size", "command line", fix="Pass an integer such as --block-size 16.")
+        _int(cli, setting("block_size"), "given",
+             fix=f"Pass an integer such as {setting('block_size')}=16.")
     size = cli if cli is not None else trained
     if size is None:
-        warn(f"DFLASH {source} declares no block_size and --block-size was not given; using "
+        warn(f"DFLASH {source} declares no block_size and {setting('block_size')} was not given; using "
              f"{DEFAULT_BLOCK_SIZE}.")
         size = DEFAULT_BLOCK_SIZE
     if size < 2:
-        flag = "--block-size" if cli is not None else where
+        flag = setting("block_size") if cli is not None else where
         raise DraftConfigError(
             f"DFLASH {flag}={size} is too small: a DFlash block needs >= 2 tokens (the bonus plus at least "
-            f"one drafted token); block size 1 is just plain decoding. Use --speculative-algorithm NONE for "
-            f"plain decoding, or --block-size >= 2.")
+            f"one drafted token); block size 1 is just plain decoding. Use "
+            f"{setting('speculative_algorithm')}=NONE for plain decoding, or {setting('block_size')} >= 2.")
     # blockspec extension: a draft whose block_size is the size it runs at best may record the larger size it
     # was trained at (other loaders ignore the key)
     trained_on = dcfg.get("trained_block_size")
@@ -243,14 +255,17 @@ def _block_size(raw: dict, dcfg: dict, source: str, cli: int | None, warn: Warn)
         limit, limit_where = ((trained, where) if trained_on is None
                               else (trained_on, "dflash_config.trained_block_size"))
         if cli > limit:
-            warn(f"DFLASH --block-size={cli} is LARGER than the draft's trained {limit_where}={limit} "
+            warn(f"DFLASH {setting('block_size')}={cli} is LARGER than the draft's trained "
+                 f"{limit_where}={limit} "
                  f"({source}): positions past {limit} were never trained, so acceptance will drop. "
                  f"Prefer <= {limit}.")
         elif trained_on is not None:
-            warn(f"DFLASH --block-size={cli} overrides the draft's default {where}={trained} ({source}), "
+            warn(f"DFLASH {setting('block_size')}={cli} overrides the draft's default {where}={trained} "
+                 f"({source}), "
                  f"within the {trained_on} it was trained at.")
         else:
-            warn(f"DFLASH --block-size={cli} overrides the draft's trained {where}={trained} ({source}); "
+            warn(f"DFLASH {setting('block_size')}={cli} overrides the draft's trained {where}={trained} "
+                 f"({source}); "
                  f"a draft trained on larger blocks runs on smaller ones.")
     return size
 
@@ -271,7 +286,7 @@ def resolve_draft_config(raw: dict, *, target: ModelConfig, source: str = "confi
     if archs is not None and (not isinstance(archs, list) or ARCHITECTURE not in archs):
         raise DraftConfigError(
             f"DFLASH {source}: architectures={archs!r} is not a DFlash draft (expected [{ARCHITECTURE!r}]). "
-            f"Point --draft-model-path at a DFlash draft checkpoint, not at a regular model.")
+            f"Point {setting('draft_model_path')} at a DFlash draft checkpoint, not at a regular model.")
     for key in _UNSUPPORTED:
         value, where = _get(raw, dcfg, key)
         if value not in (None, 0, False):

@@ -29,26 +29,29 @@ def register(sub) -> None:
       help="HF target folder, or 'default' for the embedded SmolLM2-135M-Instruct")
     a("--output", required=True,
       help="draft folder to write (config.json, model.safetensors, MODEL_CARD.md, checkpoint/)")
-    a("--num-draft-layers", type=int, default=1)
-    a("--block-size", type=int, default=16)
+    a("--num-draft-layers", type=int, default=1, help="decoder layers in the draft")
+    a("--block-size", type=int, default=16, help="DFlash block size the draft learns to fill")
     a("--target-layer-ids", nargs="+", default=None,
-      help="target layers to tap (default: 5 spread over 1..L-3)")
+      help="target layers whose hidden states feed the draft (default: --num-target-features of them spread "
+      "over 1..L-3)")
     a("--num-target-features", type=int, default=5, help="how many target layers to tap by default")
     a("--mask-token-id", type=int, default=None,
       help="default: the tokenizer's mask token or a spare special token")
-    a("--mask-token", default=None)
-    a("--data", default="stdlib", help="comma list: stdlib, pydoc, responses:N, PATH.jsonl")
+    a("--mask-token", default=None, help="the mask token by its text (default: as --mask-token-id)")
+    a("--data", default="stdlib", help="training text, a comma list of: stdlib (Python's standard library "
+      "source), pydoc (its documentation), responses:N (N of the target's own answers), PATH.jsonl")
     a("--tokens", type=int, default=None, help="cap on training-data tokens, shared evenly by the sources "
       "(responses and .jsonl first; what they leave goes to stdlib/pydoc)")
     a("--steps", type=int, default=None, help="optimizer steps (default: --epochs over the data)")
-    a("--epochs", type=float, default=1.0)
-    a("--lr", type=float, default=6e-4)
-    a("--warmup-ratio", type=float, default=0.04)
-    a("--weight-decay", type=float, default=0.0)
-    a("--grad-clip", type=float, default=1.0)
+    a("--epochs", type=float, default=1.0, help="passes over the data, when --steps is not given")
+    a("--lr", type=float, default=6e-4, help="peak learning rate (AdamW, cosine decay)")
+    a("--warmup-ratio", type=float, default=0.04,
+      help="share of the steps spent warming the learning rate up")
+    a("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    a("--grad-clip", type=float, default=1.0, help="gradient norm clipping")
     a("--batch-size", type=int, default=4, help="sequences per step")
-    a("--seq-len", type=int, default=512)
-    a("--anchors-per-seq", type=int, default=32)
+    a("--seq-len", type=int, default=512, help="tokens per training sequence")
+    a("--anchors-per-seq", type=int, default=32, help="blocks drafted per sequence per step (random anchors)")
     a("--loss-gamma", type=float, default=None, help="position decay (default 7/5/4 for block 16/10/8)")
     a("--distill", type=float, default=0.0, metavar="ALPHA",
       help="soft labels: loss = (1-ALPHA)*CE + ALPHA*KL(target || draft), the target's distribution "
@@ -62,19 +65,21 @@ def register(sub) -> None:
     a("--train-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
       help="autocast dtype for the draft's training forward (auto: bfloat16 on CUDA and on CPUs with "
       "bf16 matrix units, else float32)")
-    a("--device", choices=["cpu", "cuda", "auto"], default="auto")
+    a("--device", choices=["cpu", "cuda", "auto"], default="auto",
+      help="where to train (auto: CUDA when visible, else the CPU)")
     a("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default="auto",
       help="target dtype for feature extraction and response generation")
-    a("--save-dtype", choices=["float32", "float16", "bfloat16"], default="float16")
-    a("--seed", type=int, default=0)
-    a("--resume", action="store_true", help="continue from OUTPUT/checkpoint")
-    a("--save-every", type=int, default=200)
-    a("--eval-every", type=int, default=100)
-    a("--eval-seqs", type=int, default=16)
-    a("--eval-anchors", type=int, default=16)
+    a("--save-dtype", choices=["float32", "float16", "bfloat16"], default="float16",
+      help="dtype of the written draft weights")
+    a("--seed", type=int, default=0, help="seed of the data order, anchors and initial weights")
+    a("--resume", action="store_true", help="continue the run saved in OUTPUT/checkpoint")
+    a("--save-every", type=int, default=200, help="steps between checkpoints")
+    a("--eval-every", type=int, default=100, help="steps between held-out tau measurements")
+    a("--eval-seqs", type=int, default=16, help="held-out sequences per measurement")
+    a("--eval-anchors", type=int, default=16, help="blocks drafted per held-out sequence")
     a("--response-tokens", type=int, default=256, help="max new tokens per on-policy response")
-    a("--gen-batch-size", type=int, default=8)
-    a("--extract-batch-size", type=int, default=4)
+    a("--gen-batch-size", type=int, default=8, help="answers generated together for responses:N")
+    a("--extract-batch-size", type=int, default=4, help="sequences per target pass when extracting features")
     a("--cache-dir", default=None, help="feature/response cache (default $BLOCKSPEC_HOME/train-cache)")
     a("--features", choices=["auto", "disk", "online"], default="auto",
       help="target features: extracted once and cached on disk (reused by later runs), or computed by the "
@@ -83,12 +88,13 @@ def register(sub) -> None:
       help="fit the schedule to this much training time, measured over the first steps (--steps, if given, "
       "stays the cap); a resumed run keeps its schedule and stops with a checkpoint when the time is spent")
     a("--stop-after-steps", type=int, default=None,
-      help="stop with a checkpoint after N steps (then --resume)")
-    a("--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's choice)")
+      help="stop with a checkpoint after N steps, to continue with --resume (default: run to the end)")
+    a("--threads", type=int, default=None,
+      help="CPU threads (default: the CPUs this process may use, os.sched_getaffinity)")
     a("--json", action="store_true", help="print a JSON summary on stdout")
     p.set_defaults(func=run_train)
 
-    from blockspec.train.eval_draft import register as register_eval
+    from blockspec.train.eval_cli import register as register_eval
 
     register_eval(sub)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from blockspec.device import has_fast_bf16
-from blockspec.errors import BlockspecError
+from blockspec.errors import BlockspecError, setting
 from blockspec.models.config import ModelConfig
 from blockspec.models.draft import DFlashDraft
 from blockspec.models.draft_config import DraftConfig, default_target_layer_ids, resolve_draft_config
@@ -88,45 +88,49 @@ class TrainConfig:
             if value is None and name in optional:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise BlockspecError(f"train-draft: --{name.replace('_', '-')}={value!r} "
+                raise BlockspecError(f"train-draft: {setting(name)}={value!r} "
                                      f"must be an integer >= 1.")
         if self.block_size < 2:
-            raise BlockspecError(f"train-draft: --block-size={self.block_size} must be >= 2 "
+            raise BlockspecError(f"train-draft: {setting('block_size')}={self.block_size} must be >= 2 "
                                  f"(anchor + >= 1 prediction).")
         if self.seq_len < 32:
-            raise BlockspecError(f"train-draft: --seq-len={self.seq_len} must be >= 32.")
+            raise BlockspecError(f"train-draft: {setting('seq_len')}={self.seq_len} must be >= 32.")
         for name, low, high in (("lr", 0.0, 1.0), ("epochs", 0.0, math.inf), ("grad_clip", 0.0, math.inf)):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not low < value < high:
-                raise BlockspecError(f"train-draft: --{name.replace('_', '-')}={value!r} "
+                raise BlockspecError(f"train-draft: {setting(name)}={value!r} "
                                      f"must be in ({low}, {high}).")
         if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.weight_decay < 1.0:
-            raise BlockspecError(f"train-draft: --warmup-ratio={self.warmup_ratio} and --weight-decay="
-                                 f"{self.weight_decay} must be in [0, 1).")
+            raise BlockspecError(f"train-draft: {setting('warmup_ratio')}={self.warmup_ratio} and "
+                                 f"{setting('weight_decay')}={self.weight_decay} must be in [0, 1).")
         if (isinstance(self.distill, bool) or not isinstance(self.distill, (int, float)) or
                 not 0 <= self.distill <= 1):
-            raise BlockspecError(f"train-draft: --distill={self.distill!r} must be in [0, 1] "
+            raise BlockspecError(f"train-draft: {setting('distill')}={self.distill!r} must be in [0, 1] "
                                  f"(the KL term's share of the loss; 0 trains on hard labels only).")
         if self.loss_gamma is not None and not self.loss_gamma > 0:
-            raise BlockspecError(f"train-draft: --loss-gamma={self.loss_gamma} must be > 0.")
+            raise BlockspecError(f"train-draft: {setting('loss_gamma')}={self.loss_gamma} must be > 0.")
         if (self.init not in ("target", "random") and
                 not (Path(self.init).expanduser() / "config.json").is_file()):
-            raise BlockspecError(f"train-draft: --init={self.init!r}: use 'target', 'random', or a draft "
-                                 f"folder (config.json + model.safetensors) to continue training from.")
+            raise BlockspecError(f"train-draft: {setting('init')}={self.init!r}: use 'target', 'random', or "
+                                 f"a draft folder (config.json + model.safetensors) to continue training "
+                                 f"from.")
         if self.features not in FEATURES:
-            raise BlockspecError(f"train-draft: --features={self.features!r}; "
+            raise BlockspecError(f"train-draft: {setting('features')}={self.features!r}; "
                                  f"use one of {', '.join(FEATURES)}.")
         if self.time_budget is not None and (isinstance(self.time_budget, bool) or
                                              not isinstance(self.time_budget, (int, float)) or
                                              not 0 < self.time_budget < math.inf):
-            raise BlockspecError(f"train-draft: --time-budget={self.time_budget!r} "
+            raise BlockspecError(f"train-draft: {setting('time_budget')}={self.time_budget!r} "
                                  f"must be a number of seconds > 0.")
         if self.train_dtype not in ("auto", "float32", "bfloat16"):
-            raise BlockspecError(f"train-draft: --train-dtype={self.train_dtype!r}; "
+            raise BlockspecError(f"train-draft: {setting('train_dtype')}={self.train_dtype!r}; "
                                  f"use auto, float32 or bfloat16.")
         if self.save_dtype not in SAVE_DTYPES:
-            raise BlockspecError(f"train-draft: --save-dtype={self.save_dtype!r}; "
+            raise BlockspecError(f"train-draft: {setting('save_dtype')}={self.save_dtype!r}; "
                                  f"use one of {sorted(SAVE_DTYPES)}.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise BlockspecError(f"train-draft: {setting('seed')}={self.seed!r} must be an integer in "
+                                 f"[0, 2**63).")
         if self.target_layer_ids is not None:
             self.target_layer_ids = tuple(self.target_layer_ids)
 
@@ -226,10 +230,11 @@ def load_init_weights(folder: Path, mine: DraftConfig, target: ModelConfig,
         if name == "num_hidden_layers" and mine.num_hidden_layers > theirs.num_hidden_layers:
             continue
         if getattr(mine, name) != getattr(theirs, name):
-            raise BlockspecError(f"train-draft: --init {folder} has {name}={getattr(theirs, name)}, "
-                                 f"but this run trains {name}={getattr(mine, name)}. Match the flags to "
-                                 f"that draft (see its MODEL_CARD.md; it may be grown to more layers, not "
-                                 f"fewer), or start from --init target.")
+            raise BlockspecError(f"train-draft: {setting('init')} {folder} has {name}="
+                                 f"{getattr(theirs, name)}, but this run trains {name}="
+                                 f"{getattr(mine, name)}. Match the flags to that draft (see its "
+                                 f"MODEL_CARD.md; it may be grown to more layers, not fewer), or start from "
+                                 f"{setting('init')} target.")
     weights = old.state_dict()
     last = f"layers.{theirs.num_hidden_layers - 1}."
     for layer in range(theirs.num_hidden_layers, mine.num_hidden_layers):

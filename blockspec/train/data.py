@@ -27,7 +27,7 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
-from blockspec.errors import BlockspecError
+from blockspec.errors import BlockspecError, setting
 from blockspec.train.prompts import response_prompts
 
 log = logging.getLogger("blockspec.train")
@@ -59,20 +59,20 @@ class DataSpec:
             elif item.startswith("responses:"):
                 n = item.split(":", 1)[1]
                 if not n.isdigit() or int(n) < 1:
-                    raise BlockspecError(f"--data {item!r}: responses:N needs a positive integer N, "
-                                         f"e.g. responses:200.")
+                    raise BlockspecError(f"{setting('data')}={item!r}: responses:N needs a positive integer "
+                                         f"N, e.g. responses:200.")
                 out.append(f"responses:{int(n)}")
             elif item.endswith(".jsonl"):
                 path = Path(item).expanduser().resolve()
                 if not path.is_file():
-                    raise BlockspecError(f"--data {item!r}: file {path} does not exist.")
+                    raise BlockspecError(f"{setting('data')}={item!r}: file {path} does not exist.")
                 out.append(str(path))
             else:
                 raise BlockspecError(
-                    f"--data {text!r}: unknown source {item!r}. Use a comma list of: stdlib, pydoc, "
-                    f"responses:N, or a path to a .jsonl file of {{\"text\": ...}} lines.")
+                    f"{setting('data')}={text!r}: unknown source {item!r}. Use a comma list of: stdlib, "
+                    f"pydoc, responses:N, or a path to a .jsonl file of {{\"text\": ...}} lines.")
         if not out:
-            raise BlockspecError("--data is empty; use e.g. --data stdlib,pydoc,responses:200.")
+            raise BlockspecError(f"{setting('data')} is empty; use e.g. stdlib,pydoc,responses:200.")
         return cls(tuple(out))
 
     @property

@@ -1,11 +1,5 @@
-"""`blockspec eval-draft`: a draft's greedy acceptance on a prompt set, without timing anything.
-
-The target's plain greedy answers to the prompts (first turns, through the chat template, as `blockspec
-bench` builds them) are generated once; then every answer position is an anchor, and the draft's block
-there is scored exactly as greedy verification would score it: 1 + the leading slots whose proposal equals
-the target's next token. Many more blocks than a bench run's steps, deterministic, and several drafts and
-block sizes compared on the same answers. Evaluation only: the prompts are never trained on.
-"""
+"""`blockspec eval-draft`'s work (its flags and checks: eval_cli.py): the target's answers generated once,
+then every answer position scored as greedy verification would score the draft's block there."""
 
 from __future__ import annotations
 
@@ -17,57 +11,19 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from blockspec.errors import BlockspecError
 
 
-def register(sub) -> None:
-    p = sub.add_parser("eval-draft", help="a draft's offline acceptance (tau per block size) on prompts",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default=None,
-                   help="HF target folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft-model-path", default=None, metavar="DIR[,DIR...]",
-                   help="drafts to compare (default: the shipped draft of the embedded target)")
-    p.add_argument("--dataset", default="humaneval,mt-bench",
-                   help="comma list of humaneval, mt-bench, PATH.jsonl")
-    p.add_argument("--block-sizes", default="2,3,4", help="comma list of block sizes >= 2")
-    p.add_argument("--num-prompts", type=int, default=20, help="seeded subset, as bench's")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers")
-    p.add_argument("--seed", type=int, default=0, help="subset seed, as bench's --seed")
-    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op CPU threads (default: torch's choice)")
-    p.add_argument("--json", dest="json_path", default=None, metavar="OUT.json",
-                   help="write the results here")
-    p.set_defaults(func=run_eval_draft)
-
-
-def _sizes(text: str) -> list[int]:
-    try:
-        sizes = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        sizes = []
-    if not sizes or sizes[0] < 2:
-        raise BlockspecError(f"--block-sizes {text!r} must be a comma-separated list of integers >= 2, "
-                             f"e.g. 2,4,8.")
-    return sizes
-
-
-def run_eval_draft(args: argparse.Namespace) -> None:
-    from blockspec.bench.datasets import load_dataset, select_subset
+def run_eval_draft(args: argparse.Namespace, sizes: list[int], paths: list[str], datasets: list) -> None:
+    """After eval_cli.py checked the flags: `sizes` the block sizes, `paths` the drafts, the prompt sets."""
+    from blockspec.bench.datasets import select_subset
     from blockspec.bench.report import command_line, machine_info, now_utc
     from blockspec.config import EngineConfig
-    from blockspec.llm import DEFAULT_DRAFT, LLM
+    from blockspec.llm import LLM
     from blockspec.models.loader import load_draft
     from blockspec.sampling_params import SamplingParams
     from blockspec.train.data import TrainSequence
     from blockspec.train.features import target_features
 
-    sizes = _sizes(args.block_sizes)
-    if args.draft_model_path is None and args.model_path is not None:
-        raise BlockspecError("eval-draft: --model-path is not the embedded target, so there is no default "
-                             "draft; pass --draft-model-path DIR.")
-    paths = (args.draft_model_path or str(DEFAULT_DRAFT)).split(",")
-    datasets = [load_dataset(name.strip()) for name in args.dataset.split(",") if name.strip()]
     llm = LLM(EngineConfig(model_path=args.model_path, speculative_algorithm="NONE", device=args.device,
                            dtype="float32", threads=args.threads, max_num_seqs=max(1, args.num_prompts)))
     target, tokenizer = llm.target, llm.tokenizer

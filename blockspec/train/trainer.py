@@ -21,13 +21,14 @@ import torch
 from tqdm import tqdm
 
 from blockspec.device import resolve_device
-from blockspec.errors import BlockspecError
+from blockspec.errors import BlockspecError, setting
 from blockspec.layers.forward_batch import ForwardBatch
 from blockspec.models.config import ModelConfig
 from blockspec.models.default_model import ensure_default_model
 from blockspec.models.draft import DFlashDraft
 from blockspec.models.loader import save_draft
 from blockspec.models.tokenizer import Tokenizer
+from blockspec.paths import check_folder, check_output_folder
 from blockspec.train import data as D
 from blockspec.train.config import (SAVE_DTYPES, TrainConfig, init_draft, load_init_weights,
                                     make_draft_config, resolve_train_dtype)
@@ -52,21 +53,40 @@ class Trainer:
         self.online = cfg.features == "online" or (cfg.features == "auto" and self.device.type == "cuda")
         self.stats: dict = {"train_dtype": str(self.train_dtype).removeprefix("torch."),
                             "features": "online" if self.online else "disk"}
+        # Everything a run could trip on is checked here, before data preparation (minutes on a CPU).
+        self.spec = D.DataSpec.parse(cfg.data)
+        check_output_folder(cfg.output, "output")
+        if cfg.cache_dir is not None:
+            check_output_folder(cfg.cache_dir, "cache_dir")
+        self.state_path = cfg.output / "checkpoint" / "state.pt"
+        if self.state_path.is_file() and not cfg.resume:
+            raise BlockspecError(f"{cfg.output} already holds a training checkpoint ({self.state_path}). "
+                                 f"Pass {setting('resume', 'resume=True')} to continue it, or choose another "
+                                 f"{setting('output')}.")
+        if cfg.resume and not self.state_path.is_file():
+            raise BlockspecError(f"{setting('resume', 'resume=True')}: {cfg.output} holds no training "
+                                 f"checkpoint (no {self.state_path}). Drop it to start a new run there, or "
+                                 f"point {setting('output')} at the run to continue.")
+        if cfg.target != "default":
+            check_folder(cfg.target, "target", "a Hugging Face target folder, or 'default' for the embedded "
+                         "SmolLM2")
         self.target_path = (ensure_default_model() if cfg.target == "default"
                             else Path(cfg.target).expanduser())
         self.target_cfg = ModelConfig.from_folder(self.target_path)
         has_tok = (self.target_path / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_folder(self.target_path) if has_tok else None
         self.draft_cfg = make_draft_config(cfg, self.target_cfg, self.tokenizer)
-        self.spec = D.DataSpec.parse(cfg.data)
         if self.tokenizer is None and any(not s.endswith(".jsonl") for s in self.spec.sources):
             raise BlockspecError(f"train-draft: {self.target_path}/tokenizer.json is missing, "
-                                 f"and --data {cfg.data!r} needs it to tokenize text. "
+                                 f"and {setting('data')}={cfg.data!r} needs it to tokenize text. "
                                  f"Add the tokenizer, or pass a .jsonl of token_ids.")
-        self.state_path = cfg.output / "checkpoint" / "state.pt"
-        if self.state_path.is_file() and not cfg.resume:
-            raise BlockspecError(f"{cfg.output} already holds a training checkpoint ({self.state_path}). "
-                                 f"Pass --resume to continue it, or choose another --output.")
+        # --init FOLDER: a draft of this shape, loaded now (a broken one fails before the data is prepared)
+        self.init_weights = None if cfg.init in ("target", "random") else load_init_weights(
+            Path(cfg.init).expanduser(), self.draft_cfg, self.target_cfg, self.tokenizer)
+        self._state = None  # --resume: the checkpoint, read (and checked) now
+        if cfg.resume:
+            self._state = torch.load(self.state_path, map_location="cpu", weights_only=False)  # RNG on CPU
+            self.check_resumable(self._state)
 
     # ---- data -------------------------------------------------------------------------------
     def prepare_data(self) -> None:
@@ -75,7 +95,8 @@ class Trainer:
                                                   self.online)
         self.num_train, self.num_eval = len(self.stores["train"]), len(self.stores["eval"])
         if self.num_train == 0:
-            raise BlockspecError(f"train-draft: --data {self.cfg.data!r} yielded no training sequences.")
+            raise BlockspecError(f"train-draft: {setting('data')}={self.cfg.data!r} yielded no training "
+                                 f"sequences.")
         self.train_tokens = self.stores["train"].num_tokens
 
     def batch(self, split: str, indices: list[int]) -> tuple:
@@ -213,16 +234,19 @@ class Trainer:
         tmp.replace(self.state_path)
         self.export(step)
 
-    def load(self) -> int:
-        state = torch.load(self.state_path, map_location="cpu", weights_only=False)  # RNG states stay on CPU
+    def check_resumable(self, state: dict) -> None:
+        """A checkpoint continues only with the settings it was trained with."""
         old, new = state["fingerprint"], self.cfg.fingerprint()
         default = {f.name: str(f.default) for f in fields(TrainConfig)}  # a field newer than the checkpoint
-        diff = [f"--{k.replace('_', '-')}: {old.get(k, default[k])} -> {new[k]}" for k in new
+        diff = [f"{setting(k)}: {old.get(k, default[k])} -> {new[k]}" for k in new
                 if old.get(k, default[k]) != new[k]]
         if diff:
-            raise BlockspecError(f"--resume: the checkpoint in {self.state_path} was trained with other "
-                                 f"settings ({'; '.join(diff)}). Rerun with the original settings, "
-                                 f"or use a new --output.")
+            raise BlockspecError(f"{setting('resume', 'resume=True')}: the checkpoint in {self.state_path} "
+                                 f"was trained with other settings ({'; '.join(diff)}). Rerun with the "
+                                 f"original settings, or use a new {setting('output')}.")
+
+    def load(self) -> int:
+        state, self._state = self._state, None
         self.draft.load_state_dict(state["draft"])
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
@@ -254,8 +278,7 @@ class Trainer:
         if cfg.init in ("target", "random"):
             init_draft(self.draft, self.target, cfg.init, torch.Generator().manual_seed(cfg.seed))
         else:
-            self.draft.load_state_dict(load_init_weights(Path(cfg.init).expanduser(), self.draft_cfg,
-                                                         self.target_cfg, self.tokenizer))
+            self.draft.load_state_dict(self.init_weights)
         self.freeze_target()
         self.vocab = self.train_vocab() if cfg.train_vocab else None
         self.draft.rotary.ensure(cfg.seq_len + self.draft_cfg.block_size)

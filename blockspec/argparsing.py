@@ -1,0 +1,35 @@
+"""The command line's argparse pieces, shared by every subcommand's registration: help that states each
+flag's default, and usage errors in one line."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            return f"{text} (default: {'on' if action.default else 'off'})"
+        if action.default is None:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class RawHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """A subcommand description laid out as written."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the command and where its help is."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"error: {self.prog}: {message}. See `{self.prog} --help`.\n")

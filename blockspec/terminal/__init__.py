@@ -1,0 +1,1 @@
+"""The terminal: `blockspec generate` (one streamed answer) and `blockspec chat` (a conversation)."""

@@ -1,0 +1,82 @@
+"""`blockspec eval-draft`: a draft's greedy acceptance on a prompt set, without timing anything.
+
+The target's plain greedy answers to the prompts (first turns, through the chat template, as `blockspec
+bench` builds them) are generated once; then every answer position is an anchor, and the draft's block
+there is scored exactly as greedy verification would score it: 1 + the leading slots whose proposal equals
+the target's next token. Many more blocks than a bench run's steps, deterministic, and several drafts and
+block sizes compared on the same answers. Evaluation only: the prompts are never trained on.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from blockspec.argparsing import RawHelpFormatter
+from blockspec.config import MAX_BLOCK_SIZE
+from blockspec.errors import BlockspecError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval-draft", help="a draft's offline acceptance (tau per block size) on prompts",
+                       description=__doc__, formatter_class=RawHelpFormatter)
+    p.add_argument("--model-path", default=None,
+                   help="HF target folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft-model-path", default=None, metavar="DIR[,DIR...]",
+                   help="drafts to compare (default: the shipped draft of the embedded target)")
+    p.add_argument("--dataset", default="humaneval,mt-bench",
+                   help="prompt sets, a comma list of humaneval, mt-bench, PATH.jsonl")
+    p.add_argument("--block-sizes", default="2,3,4",
+                   help="block sizes to score, a comma list of integers >= 2")
+    p.add_argument("--num-prompts", type=int, default=20, help="seeded subset of prompts per set, as bench's")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers")
+    p.add_argument("--seed", type=int, default=0, help="subset seed, as bench's --seed")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto",
+                   help="where to run (auto: CUDA when visible, else the CPU)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: the CPUs this process may use)")
+    p.add_argument("--json", dest="json_path", default=None, metavar="OUT.json",
+                   help="write the results here (default: only the table on stderr)")
+    p.set_defaults(func=run_eval_draft)
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 2 or sizes[-1] > MAX_BLOCK_SIZE:
+        raise BlockspecError(f"--block-sizes {text!r:.80} must be a comma-separated list of integers in "
+                             f"[2, {MAX_BLOCK_SIZE}], e.g. 2,4,8.")
+    return sizes
+
+
+def run_eval_draft(args: argparse.Namespace) -> None:
+    """Check every flag, path and dataset before the target loads, then evaluate (eval_draft.py)."""
+    from blockspec.config import EngineConfig
+    from blockspec.paths import check_folder, check_output_file
+
+    sizes = _sizes(args.block_sizes)
+    for name in ("num_prompts", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise BlockspecError(f"--{name.replace('_', '-')}={getattr(args, name)} must be an integer >= 1.")
+    if not 0 <= args.seed < 2**63:
+        raise BlockspecError(f"--seed={args.seed} must be an integer in [0, 2**63).")
+    if args.draft_model_path is None and args.model_path is not None:
+        raise BlockspecError("eval-draft: --model-path is not the embedded target, so there is no default "
+                             "draft; pass --draft-model-path DIR.")
+    EngineConfig(model_path=args.model_path, speculative_algorithm="NONE", device=args.device,
+                 threads=args.threads)
+    from blockspec.llm import DEFAULT_DRAFT
+
+    paths = [p.strip() for p in (args.draft_model_path or str(DEFAULT_DRAFT)).split(",") if p.strip()]
+    for path in paths:
+        check_folder(path, "draft_model_path", "DFlash draft folders (config.json + model.safetensors)")
+    if args.json_path:
+        check_output_file(args.json_path, "json_path")
+    from blockspec.bench.datasets import load_dataset
+    from blockspec.train.eval_draft import run_eval_draft as run
+
+    datasets = [load_dataset(name.strip()) for name in args.dataset.split(",") if name.strip()]
+    if not datasets:
+        raise BlockspecError("--dataset is empty: name humaneval, mt-bench or a PATH.jsonl.")
+    run(args, sizes, paths, datasets)
