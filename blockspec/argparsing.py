@@ -33,3 +33,9 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"error: {self.prog}: {message}. See `{self.prog} --help`.\n")
+
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]):
+        # argparse drops a lone "--" from a flag's values (`--seed=--` would leave a list, not a value)
+        if action.option_strings and action.nargs is None and arg_strings == ["--"]:
+            self.error(f"argument {action.option_strings[0]}: expected a value, got '--'")
+        return super()._get_values(action, arg_strings)

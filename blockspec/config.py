@@ -159,19 +159,29 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-path", default=None,
                    help="HF target folder (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--draft-model-path", "--speculative-draft-model-path", dest="draft_model_path",
-                   default=None)
-    g.add_argument("--speculative-algorithm", type=str.upper, choices=list(ALGORITHMS), default=None)
+                   default=None, metavar="DIR",
+                   help="DFlash draft folder, z-lab format (default: the shipped draft for the embedded "
+                        "target, none for another)")
+    g.add_argument("--speculative-algorithm", type=str.upper, choices=list(ALGORITHMS), default=None,
+                   help="DFLASH: speculate with the draft; NONE: plain decoding (default: DFLASH when a "
+                        "draft is in use)")
     g.add_argument("--block-size", "--speculative-num-draft-tokens", "--speculative-dflash-block-size",
-                   dest="block_size", type=int, default=None)
-    g.add_argument("--speculative-dflash-mask-token", dest="mask_token", default=None)
-    g.add_argument("--mask-token-id", type=int, default=None)
-    g.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default="auto")
-    g.add_argument("--seed", type=int, default=None)
+                   dest="block_size", type=int, default=None, metavar="B",
+                   help="tokens per DFlash block, the pending one included (default: the draft's own)")
+    g.add_argument("--speculative-dflash-mask-token", dest="mask_token", default=None, metavar="TOKEN",
+                   help="the draft's mask token by its text (default: the draft config's)")
+    g.add_argument("--mask-token-id", type=int, default=None, metavar="ID",
+                   help="the draft's mask token by its id (default: the draft config's)")
+    g.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto",
+                   help="where to run (auto: CUDA when visible, else the CPU)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default="auto",
+                   help="activation and dense-weight dtype (auto: float32 on the CPU, bfloat16 on CUDA)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampled tokens, reproducible whatever the schedule (default: random)")
     g.add_argument("--quantization", choices=list(QUANTIZATIONS), default="auto",
                    help="the target's weights on the CPU: GGUF blocks with fp32 activations (auto: the "
                         "embedded model's own Q4_1/Q8_0 blocks; a type: every linear layer in it), "
-                        "or none: dense fp32")
+                        "or none: dense fp32 (default: auto)")
     g.add_argument("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=True,
                    help="take a plain decode step instead of a DFlash step when the measured step costs and "
                         "acceptance say it is faster (output is identical either way; default: on)")
@@ -192,21 +202,24 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-tree-rule", choices=list(TREE_RULES), default="best-first",
                    help="best-first: the N most probable prefixes; spine-first: the draft's chain first "
                         "(never accepts less than it), then the most probable others (default best-first)")
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="context length in tokens (default: the target's, at most 4096)")
     g.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op CPU threads (default: torch's choice; with --tp-size on the CPU, "
-                        "the cores shared out among the ranks)")
+                   help="CPU threads (default: the CPUs this process may use, os.sched_getaffinity and a "
+                        "cgroup quota; with --tp-size on the CPU, shared out among the ranks)")
     g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
                    help="tensor-parallel ranks: the engine starts them itself, or runs as one of them under "
                         "torchrun (default 1)")
     g.add_argument("--tp-backend", choices=["auto", "gloo", "nccl"], default="auto",
-                   help="torch.distributed backend for --tp-size > 1 (auto: gloo on the CPU, NCCL on CUDA)")
+                   help="torch.distributed backend for --tp-size > 1 (auto: gloo on the CPU, NCCL on CUDA; "
+                        "default auto)")
 
 
 def add_serving_args(p: argparse.ArgumentParser, default_running: int) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--max-running-requests", dest="max_num_seqs", type=int, default=default_running,
-                   help=f"requests decoded together, one KV slot each (default {default_running})")
+                   help=f"requests decoded together, one KV slot each (default {default_running}"
+                        f"{': as many as the highest concurrency' if not default_running else ''})")
     g.add_argument("--max-total-tokens", "--kv-budget-tokens", dest="max_total_tokens", type=int,
                    default=None,
                    help="KV memory budget in tokens, shared by target and draft caches (each token is one "

@@ -12,6 +12,7 @@ import torch
 
 from blockspec.errors import BlockspecError, setting
 
+MAX_THREADS = 1024  # config.MAX_THREADS: more is a typo, and torch would try to start them
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -84,6 +85,7 @@ def set_threads(threads: int | None) -> None:
         if torch.get_num_threads() > allowed_cpus():
             torch.set_num_threads(allowed_cpus())
         return
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise BlockspecError(f"{setting('threads')}={threads!r} must be an integer >= 1.")
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+        raise BlockspecError(f"{setting('threads')}={threads!r:.80} must be an integer in [1, {MAX_THREADS}] "
+                             f"(this process may use {allowed_cpus()} CPUs).")
     torch.set_num_threads(threads)

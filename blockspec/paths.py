@@ -9,9 +9,9 @@ from pathlib import Path
 from blockspec.errors import BlockspecError, ModelLoadError, setting
 
 GGUF_HELP = ("blockspec reads Hugging Face checkpoint folders (config.json, *.safetensors, tokenizer.json); "
-             "a GGUF file runs only as the embedded SmolLM2 (give no model path for it). For this model, point "
-             "{name} at its original Hugging Face folder: quantization q8_0, q4_0 or q4_1 then holds its "
-             "weights in GGUF blocks on the CPU as llama.cpp would.")
+             "a GGUF file runs only as the embedded SmolLM2 (give no model path for it). For this model, "
+             "point {name} at its original Hugging Face folder: quantization q8_0, q4_0 or q4_1 then holds "
+             "its weights in GGUF blocks on the CPU as llama.cpp would.")
 
 
 def check_folder(path: str | Path, name: str, what: str, needs: str | None = "config.json") -> Path:

@@ -9,8 +9,10 @@ import json
 import sys
 from pathlib import Path
 
+from blockspec.argparsing import RawHelpFormatter
 from blockspec.config import EngineConfig, add_model_args, add_serving_args
 from blockspec.errors import BlockspecError
+from blockspec.paths import check_output_file
 from blockspec.sampling_params import add_sampling_args, sampling_from_args
 
 DESCRIPTION = """\
@@ -58,7 +60,7 @@ def _tree_budgets(text: str) -> list[int]:
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="measure tau and decode speedup on real prompt sets",
-                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=DESCRIPTION, formatter_class=RawHelpFormatter)
     p.add_argument("--dataset", default="humaneval", metavar="{humaneval,mt-bench,PATH.jsonl}",
                    help="prompt set (default: humaneval)")
     p.add_argument("--num-prompts", type=int, default=None, metavar="N",
@@ -73,15 +75,17 @@ def register(sub) -> None:
                         "model's GGUF, the baseline of 'speedup'. none: DFlash only (no speedup, no "
                         "outputs_match)")
     p.add_argument("--json", dest="json_path", default=None, metavar="OUT.json",
-                   help="write the JSON report here")
+                   help="write the JSON report here (default: the table on stdout only)")
     p.add_argument("--plot", default=None, metavar="OUT.png",
-                   help="acceptance-length histogram and per-prompt speedup (matplotlib)")
+                   help="draw the acceptance-length histogram and per-prompt speedup here (matplotlib; "
+                        "default: no plot)")
     p.add_argument("--sweep-block-sizes", type=_block_sizes, default=None, metavar="2,4,8,16",
                    help="run DFlash at each block size (one table, one plot); "
-                        "the engine is built with the largest")
+                        "the engine is built with the largest (default: the one block size)")
     p.add_argument("--sweep-tree-budgets", type=_tree_budgets, default=None, metavar="0,4,8,16",
                    help="run DFlash with candidate trees of each budget (0: the chain) at the block size "
-                        "given (one table, one plot); the engine is built with the largest")
+                        "given (one table, one plot); the engine is built with the largest (default: "
+                        "--speculative-tree-budget alone)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_sampling_args(p)
     add_model_args(p)
@@ -92,11 +96,12 @@ def register(sub) -> None:
     p = sub.add_parser("bench-serving",
                        help="output tokens/s at several concurrencies, DFlash vs plain decoding")
     p.add_argument("--dataset", default="humaneval", help="humaneval, mt-bench or PATH.jsonl")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--concurrency", default="1,4,8,16", help="comma-separated list")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--num-prompts", type=int, default=16, help="prompts sent, the dataset's first")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per request")
+    p.add_argument("--concurrency", default="1,4,8,16",
+                   help="requests kept in flight, a comma-separated list of levels to measure")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--json", default=None, help="write the report here (default: the table only)")
     add_serving_args(p, default_running=0)  # 0: as many slots as the highest concurrency
     add_model_args(p)
     p.set_defaults(func=run_bench_serving)
@@ -111,13 +116,13 @@ def run_bench_command(args: argparse.Namespace) -> None:
 
     params = sampling_from_args(args)
     if args.plot:
-        _check_writable(args.plot, "--plot")
+        check_output_file(args.plot, "plot")
         try:
             import matplotlib  # noqa: F401
         except ImportError as exc:
             raise BlockspecError("--plot needs matplotlib: pip install matplotlib.") from exc
     if args.json_path:
-        _check_writable(args.json_path, "--json")
+        check_output_file(args.json_path, "json_path")
     dataset = load_dataset(args.dataset)
     subset_seed = args.seed if args.seed is not None else 0
     prompts, subset_note = select_subset(dataset, args.num_prompts, subset_seed)
@@ -221,13 +226,6 @@ def _mismatch_meaning(dtype) -> str:
     return (f"In {name} a verify pass (several rows) and a plain step (one row) round "
             f"differently, which can flip a near-tie between two tokens; rerun with --dtype float32: "
             f"a difference there is a losslessness bug.")
-
-
-def _check_writable(path: str, flag: str) -> None:
-    parent = Path(path).expanduser().resolve().parent
-    if not parent.is_dir():
-        raise BlockspecError(f"{flag} {path!r}: folder {str(parent)!r} does not exist; "
-                             f"create it or pick another path.")
 
 
 def llama_cpp_method(llm, args: argparse.Namespace):

@@ -19,6 +19,7 @@ from collections import deque
 from blockspec.config import EngineConfig
 from blockspec.engine.stats import RequestStats
 from blockspec.errors import BlockspecError
+from blockspec.paths import check_output_file
 from blockspec.sampling_params import SamplingParams
 
 
@@ -70,6 +71,8 @@ def run_bench_serving(args: argparse.Namespace) -> None:
         raise BlockspecError(f"--concurrency={args.concurrency!r} must list integers >= 1.")
     config = EngineConfig.from_args(args, max_num_seqs=args.max_num_seqs or levels[-1])
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    if args.json:
+        check_output_file(args.json, "json")
     prompts_meta, note = select_subset(load_dataset(args.dataset), args.num_prompts, seed=0)
     if note:
         print(note, file=sys.stderr)

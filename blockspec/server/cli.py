@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 from pathlib import Path
@@ -34,13 +35,14 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 def register(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 routes (visible in `ps`: prefer "
-                            "--api-key-file or the BLOCKSPEC_API_KEY environment variable)")
+                            "--api-key-file or the BLOCKSPEC_API_KEY environment variable; default: no key, "
+                            "or $BLOCKSPEC_API_KEY)")
     serve.add_argument("--api-key-file", default=None, metavar="PATH",
-                       help="read the API key from this file (its first line)")
+                       help="read the API key from this file (its first line; default: none)")
     serve.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
                        help=f"largest request body accepted; larger ones get 413 "
                             f"(default {DEFAULT_MAX_REQUEST_BYTES})")
@@ -52,7 +54,12 @@ def register(sub) -> None:
     serve.add_argument("--served-model-name", default=None,
                        help="model id in the API (default: the model folder name)")
     serve.add_argument("--log-level", default="info",
-                       choices=["critical", "error", "warning", "info", "debug"])
+                       choices=["critical", "error", "warning", "info", "debug"],
+                       help="the server's and uvicorn's log detail (info: start-up, a throughput line while "
+                            "busy, one line per request)")
+    serve.add_argument("--log-interval", type=float, default=5.0, metavar="S",
+                       help="seconds between throughput log lines while busy (running requests, tokens/s, "
+                            "tau, KV use); 0: none")
     add_serving_args(serve, default_running=16)
     add_model_args(serve)
     serve.set_defaults(func=run_serve)
@@ -72,6 +79,9 @@ def run_serve(args: argparse.Namespace) -> None:
         raise BlockspecError(f"--max-request-bytes={args.max_request_bytes} must be at least 1024.")
     if not 0 <= args.shutdown_grace_seconds <= 3600:
         raise BlockspecError(f"--shutdown-grace-seconds={args.shutdown_grace_seconds} must be in [0, 3600].")
+    if not 0 <= args.log_interval <= 86400:
+        raise BlockspecError(f"--log-interval={args.log_interval} must be a number of seconds in [0, 86400] "
+                             f"(0: no throughput lines).")
     key = api_key(args)
     try:  # fail before loading the model if the address is taken
         with socket.create_server((args.host, args.port)):
@@ -80,8 +90,10 @@ def run_serve(args: argparse.Namespace) -> None:
         raise BlockspecError(f"Cannot listen on {args.host}:{args.port} ({exc.strerror}); "
                              f"pick another --port.") from exc
     llm = LLM(config)
+    logging.getLogger("blockspec").setLevel(args.log_level.upper())  # the throughput lines are INFO
     app = create_app(llm, api_key=key, served_model_name=args.served_model_name,
-                     max_request_bytes=args.max_request_bytes, cors_origins=args.cors_allow_origins)
+                     max_request_bytes=args.max_request_bytes, cors_origins=args.cors_allow_origins,
+                     log_interval=args.log_interval)
     scheduler = app.state.engine.scheduler
     if scheduler.max_total_tokens < llm.max_model_len - 1 + scheduler.width:
         print(f"warning: the KV budget ({scheduler.max_total_tokens} tokens) is below one full-context "

@@ -28,7 +28,7 @@ def register(sub) -> None:
     a("--target", "--model-path", dest="target", default="default",
       help="HF target folder, or 'default' for the embedded SmolLM2-135M-Instruct")
     a("--output", required=True,
-      help="draft folder to write (config.json, model.safetensors, MODEL_CARD.md, checkpoint/)")
+      help="draft folder to write (config.json, model.safetensors, MODEL_CARD.md, checkpoint/); required")
     a("--num-draft-layers", type=int, default=1, help="decoder layers in the draft")
     a("--block-size", type=int, default=16, help="DFlash block size the draft learns to fill")
     a("--target-layer-ids", nargs="+", default=None,
@@ -41,7 +41,7 @@ def register(sub) -> None:
     a("--data", default="stdlib", help="training text, a comma list of: stdlib (Python's standard library "
       "source), pydoc (its documentation), responses:N (N of the target's own answers), PATH.jsonl")
     a("--tokens", type=int, default=None, help="cap on training-data tokens, shared evenly by the sources "
-      "(responses and .jsonl first; what they leave goes to stdlib/pydoc)")
+      "(responses and .jsonl first; what they leave goes to stdlib/pydoc; default: no cap)")
     a("--steps", type=int, default=None, help="optimizer steps (default: --epochs over the data)")
     a("--epochs", type=float, default=1.0, help="passes over the data, when --steps is not given")
     a("--lr", type=float, default=6e-4, help="peak learning rate (AdamW, cosine decay)")
@@ -86,7 +86,8 @@ def register(sub) -> None:
       "target for each batch (no disk; the fast path on a GPU). auto: online on CUDA, disk on CPU")
     a("--time-budget", type=float, default=None, metavar="SECONDS",
       help="fit the schedule to this much training time, measured over the first steps (--steps, if given, "
-      "stays the cap); a resumed run keeps its schedule and stops with a checkpoint when the time is spent")
+      "stays the cap); a resumed run keeps its schedule and stops with a checkpoint when the time is spent "
+      "(default: no budget)")
     a("--stop-after-steps", type=int, default=None,
       help="stop with a checkpoint after N steps, to continue with --resume (default: run to the end)")
     a("--threads", type=int, default=None,

@@ -107,8 +107,9 @@ class TrainConfig:
                 not 0 <= self.distill <= 1):
             raise BlockspecError(f"train-draft: {setting('distill')}={self.distill!r} must be in [0, 1] "
                                  f"(the KL term's share of the loss; 0 trains on hard labels only).")
-        if self.loss_gamma is not None and not self.loss_gamma > 0:
-            raise BlockspecError(f"train-draft: {setting('loss_gamma')}={self.loss_gamma} must be > 0.")
+        if self.loss_gamma is not None and not 0 < self.loss_gamma < math.inf:
+            raise BlockspecError(f"train-draft: {setting('loss_gamma')}={self.loss_gamma} must be a number "
+                                 f"> 0.")
         if (self.init not in ("target", "random") and
                 not (Path(self.init).expanduser() / "config.json").is_file()):
             raise BlockspecError(f"train-draft: {setting('init')}={self.init!r}: use 'target', 'random', or "
@@ -168,10 +169,6 @@ def make_draft_config(cfg: TrainConfig, target: ModelConfig, tokenizer) -> Draft
         token, token_id = pick_mask_token(tokenizer, target.vocab_size)
     ids = cfg.target_layer_ids or default_target_layer_ids(target.num_hidden_layers, cfg.num_target_features)
     dflash: dict = {"target_layer_ids": list(ids)}
-    if token_id is not None:
-        dflash["mask_token_id"] = token_id
-    if token is not None:
-        dflash["mask_token"] = token
     raw = {
         "architectures": ["DFlashDraftModel"], "hidden_size": target.hidden_size,
         "num_hidden_layers": cfg.num_draft_layers, "num_attention_heads": target.num_attention_heads,
@@ -182,7 +179,9 @@ def make_draft_config(cfg: TrainConfig, target: ModelConfig, tokenizer) -> Draft
         "num_target_layers": target.num_hidden_layers, "block_size": cfg.block_size, "dflash_config": dflash,
     }
     token_to_id = tokenizer.token_to_id if tokenizer is not None else None
-    return resolve_draft_config(raw, target=target, source="train-draft arguments", token_to_id=token_to_id)
+    # the mask token as given on the command line: a name the vocabulary lacks is refused, not ignored
+    return resolve_draft_config(raw, target=target, source="train-draft arguments", token_to_id=token_to_id,
+                                cli_mask_token=token, cli_mask_token_id=token_id)
 
 
 @torch.no_grad()

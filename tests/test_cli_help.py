@@ -1,0 +1,72 @@
+"""Help and a light start: every flag's help says what it does and its default; `--version` and
+`blockspec.__version__`; `import blockspec` and `blockspec --help` load no torch; imports flow one way."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import blockspec
+from blockspec.cli import build_parser
+
+ROOT = Path(blockspec.__file__).parent
+
+
+def test_every_flag_says_what_it_does_and_its_default():
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command, sub in subs.choices.items():
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            text = formatter._expand_help(action) if action.help else ""
+            assert len(text) > 10, (command, action.option_strings)
+            assert "default" in text or "required" in text, (command, action.option_strings, text)
+
+
+def test_version():
+    assert blockspec.__version__ == version("blockspec")
+    out = subprocess.run([sys.executable, "-m", "blockspec", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == f"blockspec {blockspec.__version__}"
+
+
+def test_import_and_help_load_no_torch():
+    code = ("import sys, blockspec; from blockspec import SamplingParams, BlockspecError; "
+            "from blockspec.cli import build_parser; build_parser().format_help(); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+def imports_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("blockspec"):
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names if a.name.startswith("blockspec"))
+    return names
+
+
+def test_imports_flow_one_way():
+    """No module imports one above it: layers <- models <- engine <- speculative <- the rest; the base
+    modules import no package; ranks (tensor parallelism) does not import llm, which starts it."""
+    order = ["layers", "models", "engine", "speculative"]
+    for path in ROOT.rglob("*.py"):
+        package = path.relative_to(ROOT).parts[0] if len(path.relative_to(ROOT).parts) > 1 else None
+        if package not in order:
+            continue
+        for name in imports_of(path):
+            other = name.split(".")[1] if name.count(".") else None
+            if other in order:
+                assert order.index(other) <= order.index(package), (path, name)
+    for base in ("errors", "device", "home", "sampling_params", "config", "distributed", "paths", "version"):
+        for name in imports_of(ROOT / f"{base}.py"):
+            assert name.split(".")[1] not in order + ["llm", "server", "bench", "train", "terminal"], (base, name)
+    assert "blockspec.llm" not in imports_of(ROOT / "ranks.py")
