@@ -89,7 +89,8 @@ def ints(low: int | None = None, high: int | None = None) -> st.SearchStrategy[s
     return st.one_of(NOT_INT, *outside)
 
 
-def floats(low: float, high: float, low_open: bool = False, high_open: bool = False) -> st.SearchStrategy[str]:
+def floats(low: float, high: float, low_open: bool = False,
+           high_open: bool = False) -> st.SearchStrategy[str]:
     """Numbers outside the range (open ends included), NaN, infinities, and text that is no number."""
     outside = [st.floats(max_value=low, exclude_max=not low_open, allow_nan=False,
                          allow_infinity=False).map(repr)]
@@ -106,7 +107,8 @@ def words(*valid: str) -> st.SearchStrategy[str]:
 
 FOLDER = ["missing", "file", "gguf"]  # what a folder flag must refuse
 # The tiny tokenizer has one token per character and six special ones.
-NOT_A_TOKEN = st.text(min_size=2, max_size=10).filter(lambda t: t not in TINY_SPECIALS and not t.startswith("-"))
+NOT_A_TOKEN = st.text(min_size=2, max_size=10).filter(lambda t: t not in TINY_SPECIALS
+                                                     and not t.startswith("-"))
 MODEL = {
     "--model-path": FOLDER, "--draft-model-path": FOLDER,
     "--speculative-algorithm": words("DFLASH", "NONE"), "--block-size": ints(2, 64),
@@ -134,14 +136,16 @@ BAD = {
               "--baseline": words("ar", "hf", "llama.cpp", "none"), "--json": ["dir", "under-file"],
               "--plot": ["dir", "under-file"], "--sweep-block-sizes": st.sampled_from(["1", "x", "", "2,-4"]),
               "--sweep-tree-budgets": st.sampled_from(["-1", "x", ""])},
-    "bench-serving": {**MODEL, **ENGINE, "--max-running-requests": ints(0, 4096), "--dataset": ["missing", "file"], "--num-prompts": ints(1),
+    "bench-serving": {**MODEL, **ENGINE, "--max-running-requests": ints(0, 4096),
+                      "--dataset": ["missing", "file"], "--num-prompts": ints(1),
                       "--max-new-tokens": ints(1), "--temperature": floats(0, math.inf, high_open=True),
                       "--concurrency": st.sampled_from(["0", "x", "", "4,-1", "1.5"]),
                       "--json": ["dir", "under-file"]},
     "serve": {**MODEL, **ENGINE, "--port": ints(1, 65535), "--max-request-bytes": ints(1024),
               "--shutdown-grace-seconds": floats(0, 3600), "--log-interval": floats(0, 86400),
               "--log-level": words("critical", "error", "warning", "info", "debug"),
-              "--api-key": st.sampled_from(["", "two words", "naïve"]), "--api-key-file": ["missing", "dir"]},
+              "--api-key": st.sampled_from(["", "two words", "naïve"]),
+              "--api-key-file": ["missing", "dir"]},
     "train-draft": {**{flag: ints(1) for flag in TRAIN_POSITIVE},
                     "--target": FOLDER, "--output": ["file", "under-file"], "--block-size": ints(2),
                     "--target-layer-ids": st.sampled_from(["x", "0,99", "-7", "1.5"]),
@@ -154,7 +158,8 @@ BAD = {
                     "--grad-clip": floats(0, math.inf, low_open=True, high_open=True),
                     "--seq-len": ints(32), "--loss-gamma": floats(0, math.inf, low_open=True, high_open=True),
                     "--distill": floats(0, 1), "--init": ["missing", "file", "dir"],
-                    "--train-dtype": words("auto", "float32", "bfloat16"), "--device": words("cpu", "cuda", "auto"),
+                    "--train-dtype": words("auto", "float32", "bfloat16"),
+                    "--device": words("cpu", "cuda", "auto"),
                     "--dtype": words("float32", "bfloat16", "float16", "auto"),
                     "--save-dtype": words("float32", "float16", "bfloat16"), "--seed": ints(0, 2**63 - 1),
                     "--cache-dir": ["file", "under-file"], "--features": words("auto", "disk", "online"),
