@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from blockspec.config import ALGORITHMS, EngineConfig
+from blockspec.cpu_load import LoadAwareThreads
 from blockspec.device import set_threads
 from blockspec.distributed import TPGroup
 from blockspec.engine.mirror import Mirror
@@ -23,7 +24,7 @@ from blockspec.models.default_model import ensure_default_model, gguf_path
 from blockspec.models.loader import load_draft, load_target
 from blockspec.models.parallel import check_tp
 from blockspec.models.tokenizer import Tokenizer
-from blockspec.outputs import RequestOutput, StreamDelta
+from blockspec.outputs import RequestOutput, StreamDelta, request_output
 from blockspec.ranks import build_together, follow, join_spawned, rank_threads, start_ranks, stop
 from blockspec.sampling_params import SamplingParams
 from blockspec.speculative.decoder import Decoder
@@ -121,10 +122,13 @@ class LLM:
                 model.rotary.ensure(slab_len)
         self.runner = ModelRunner(self.target, self.draft, cfg.max_num_seqs, slab_len,
                                   self.speculation.row_counts if self.speculation else ())
-        self.decoders = {"NONE": Decoder(self.runner)}
+        # No thread count given: on the CPU compute with the CPUs other processes leave free (cpu_load.py)
+        adapt = cfg.threads is None and self.device.type == "cpu" and self.tp is None
+        threads = LoadAwareThreads.for_this_process() if adapt else None
+        self.decoders = {"NONE": Decoder(self.runner, threads=threads)}
         if self.speculation is not None:
             governor = SpecGovernor() if cfg.adaptive_speculation else None
-            self.decoders["DFLASH"] = Decoder(self.runner, self.speculation, governor)
+            self.decoders["DFLASH"] = Decoder(self.runner, self.speculation, governor, threads)
         self.stop_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(target_cfg.eos_token_ids)
         self._schedulers = 0
 
@@ -227,7 +231,7 @@ class LLM:
         if failed:
             raise RequestError(f"{len(failed)} of {len(seqs)} requests failed (the others finished); the "
                                f"first, prompt {failed[0][0]}: {failed[0][1]}")
-        return [self.output(seq, scheduler.decoder.speculative, texts.get(seq.seq_id)) for seq in seqs]
+        return [self._output(seq, scheduler, texts.get(seq.seq_id)) for seq in seqs]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                speculative_algorithm: str | None = None,
@@ -256,7 +260,7 @@ class LLM:
                 scheduler.abort(seq.seq_id)
         if seq.finish_reason == "error":
             raise RequestError(f"The request failed: {seq.error}")
-        yield StreamDelta("", [], [], self.output(seq, scheduler.decoder.speculative, text))
+        yield StreamDelta("", [], [], self._output(seq, scheduler, text))
 
     def chat(
         self,
@@ -272,21 +276,10 @@ class LLM:
         """A conversation rendered by the target's chat template, ready for the assistant's turn."""
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
-    def output(self, seq: Sequence, speculative: bool, text: TextStream | None = None) -> RequestOutput:
-        first = seq.first_token_time  # None: stopped before its first token
-        return RequestOutput(
-            prompt_token_ids=seq.prompt_ids,
-            text=text.text if text is not None else self.tokenizer.decode(seq.output_ids),
-            token_ids=list(seq.output_ids),
-            finish_reason=seq.finish_reason,
-            speculative_algorithm="DFLASH" if speculative else "NONE",
-            block_size=self.block_size if speculative else 1,
-            time_to_first_token_s=(first - seq.arrival_time) if first is not None else 0.0,
-            decode_time_s=(seq.finish_time - first) if first is not None else 0.0,
-            stats=seq.stats,
-            token_sources=list(seq.token_sources),
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-        )
+    def _output(self, seq: Sequence, scheduler: Scheduler, text: TextStream | None) -> RequestOutput:
+        speculative = scheduler.decoder.speculative
+        return request_output(seq, speculative, self.block_size if speculative else 1,
+                              text.text if text is not None else self.tokenizer.decode(seq.output_ids))
 
 
 def rank_main(rank: int, address: str, cfg: EngineConfig) -> None:

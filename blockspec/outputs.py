@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from blockspec.engine.sampler import TokenLogprob
+from blockspec.engine.sequence import Sequence
 from blockspec.engine.stats import RequestStats
 
 
@@ -53,3 +54,21 @@ class StreamDelta:
     token_ids: list[int]
     token_sources: list[str]
     output: RequestOutput | None = None
+
+
+def request_output(seq: Sequence, speculative: bool, block_size: int, text: str) -> RequestOutput:
+    """A finished (or stopped) request's output; `text`: its output as text."""
+    first = seq.first_token_time  # None: stopped before its first token
+    return RequestOutput(
+        prompt_token_ids=seq.prompt_ids,
+        text=text,
+        token_ids=list(seq.output_ids),
+        finish_reason=seq.finish_reason,
+        speculative_algorithm="DFLASH" if speculative else "NONE",
+        block_size=block_size,
+        time_to_first_token_s=(first - seq.arrival_time) if first is not None else 0.0,
+        decode_time_s=(seq.finish_time - first) if first is not None else 0.0,
+        stats=seq.stats,
+        token_sources=list(seq.token_sources),
+        logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+    )

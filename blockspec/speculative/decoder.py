@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from blockspec.cpu_load import LoadAwareThreads
 from blockspec.engine.runner import ModelRunner, guarded
 from blockspec.engine.sequence import Sequence
 from blockspec.speculative.accept import Outcome, accept, accept_trees
@@ -29,10 +30,11 @@ class Decoder:
     and, unless `governor` is None, adaptive plain steps), or plainly when it is None."""
 
     def __init__(self, runner: ModelRunner, speculation: Speculation | None = None,
-                 governor: SpecGovernor | None = None) -> None:
+                 governor: SpecGovernor | None = None, threads: LoadAwareThreads | None = None) -> None:
+        """`threads`: the CPU thread count to follow other processes' load with, between steps."""
         if speculation is not None and runner.draft is None:
             raise ValueError("Decoder: speculative decoding needs a runner with a DFlash draft.")
-        self.runner, self.speculation, self.governor = runner, speculation, governor
+        self.runner, self.speculation, self.governor, self.threads = runner, speculation, governor, threads
         self.draft = DFlashProposer(runner, speculation.mask_token_id) if speculation is not None else None
 
     @property
@@ -45,6 +47,8 @@ class Decoder:
         return self.speculation.step_width if self.speculation is not None else 1
 
     def decode(self, seqs: list[Sequence]) -> None:
+        if self.threads is not None:
+            self.threads.tick()
         plan = self.plan(seqs)
         start = time.perf_counter()
         self.run(seqs, plan)
