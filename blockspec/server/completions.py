@@ -23,9 +23,8 @@ from blockspec.engine.stats import RequestStats
 from blockspec.errors import BlockspecError
 from blockspec.server.async_engine import AsyncEngine, Output
 from blockspec.server.logprobs import chat_logprobs, completion_logprobs
-from blockspec.server.protocol import (
-    APIError, ParsedRequest, chat_messages, choice, envelope, extension, sampling_params, usage,
-)
+from blockspec.server.protocol import APIError, ParsedRequest, chat_messages, sampling_params
+from blockspec.server.responses import choice, envelope, extension, usage
 
 CHARS_PER_TOKEN_BOUND = 16  # text tokenizes to ~4 characters a token; a prefix this long per token suffices
 

@@ -26,7 +26,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from blockspec.engine.stats import RequestStats
 from blockspec.errors import RequestError
 from blockspec.sampling_params import SamplingParams
 
@@ -282,28 +281,3 @@ def sampling_params(parsed: ParsedRequest, max_tokens: int, choice: int = 0) -> 
         return SamplingParams(max_tokens=max_tokens, seed=seed, **parsed.params)
     except RequestError as exc:
         raise APIError(400, str(exc)) from exc
-
-
-# ---- responses -------------------------------------------------------------------------------------
-def extension(stats: RequestStats, algorithm: str, block_size: int) -> dict:
-    return {"speculative_algorithm": algorithm, "block_size": block_size, **stats.summary()}
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def choice(chat: bool, text: str, finish_reason: str | None, stream: bool, index: int = 0,
-           logprobs: dict | None = None) -> dict:
-    if not chat:
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    key, value = (("delta", {"content": text} if text else {}) if stream
-                  else ("message", {"role": "assistant", "content": text}))
-    return {"index": index, key: value, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def envelope(chat: bool, stream: bool, rid: str, created: int, model: str, choices: list[dict],
-             **extra: Any) -> dict:
-    kind = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
-    return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices, **extra}
