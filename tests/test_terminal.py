@@ -156,3 +156,16 @@ def test_chat_holds_a_conversation(tiny):
     shown = converse(tiny, ["hello", "and again", "/clear", "fresh start", "/exit"])
     assert shown.count("tok/s decode") == 3  # a statistics line per answer
     assert "(the conversation starts over)" in shown and "/clear starts over" in shown
+
+
+def test_stop_strings_in_the_api_end_where_plain_decoding_does(llm):
+    full = llm.generate("stop test", SamplingParams(max_tokens=30, ignore_eos=True))[0].text
+    stop = full[10:12]
+    params = SamplingParams(max_tokens=30, ignore_eos=True, stop=[stop, "never there"])
+    spec = llm.generate("stop test", params)[0]
+    plain = llm.generate("stop test", params, speculative_algorithm="NONE")[0]
+    assert spec.text == plain.text == full[: full.find(stop)] and spec.finish_reason == "stop"
+    assert spec.token_ids == plain.token_ids  # the tokens through the one that completed the stop string
+    decode = llm.tokenizer.decode
+    assert stop in decode(spec.token_ids) and stop not in decode(spec.token_ids[:-1])
+    assert len(spec.token_sources) == len(spec.token_ids)
