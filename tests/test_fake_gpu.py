@@ -65,6 +65,23 @@ def test_engine_on_the_device_equals_the_cpu(tiny, block_size):
     assert on_gpu == [o.token_ids for o in cpu.generate(PROMPTS, sampled)]
 
 
+def test_penalties_logprobs_and_stops_on_the_device(tiny):
+    """The request fields that need the target's logits (penalties, logprobs) and stop strings, on the device:
+    greedy DFlash there equals plain decoding on the CPU, logprobs included."""
+    params = SamplingParams(max_tokens=24, presence_penalty=0.7, frequency_penalty=0.4, logprobs=2,
+                            stop=["zz"], ignore_eos=True)
+    cpu = LLM(model_path=str(tiny / "target"), speculative_algorithm="NONE", device="cpu")
+    plain = cpu.generate(PROMPTS, params)
+    with fake_gpu():
+        gpu = LLM(model_path=str(tiny / "target"), draft_model_path=str(tiny / "draft"), device=FAKE_GPU,
+                  adaptive_speculation=False)
+        spec = gpu.generate(PROMPTS, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    for s, p in zip(spec, plain):
+        assert [e.token_id for e in s.logprobs] == s.token_ids
+        assert [e.logprob for e in s.logprobs] == pytest.approx([e.logprob for e in p.logprobs], abs=1e-4)
+
+
 @pytest.mark.parametrize("features", ["online", "disk"])
 def test_train_draft_on_the_device(tmp_path, features):
     """On-policy responses, target features (per batch or extracted), distillation, a training vocabulary,
