@@ -64,6 +64,8 @@ def test_the_prompt_from_stdin(tiny):
     assert cli(tiny, stdin="What is 1+1?\n").stdout == wanted  # piped, no argument
     empty = cli(tiny, "-", stdin="")
     assert empty.returncode == 2 and "standard input is empty" in empty.stderr
+    nothing = cli(tiny, stdin="")  # no argument and empty input (make, CI): the demo prompt, said so
+    assert nothing.returncode == 0 and "using the demo prompt" in nothing.stderr
 
 
 def test_no_prompt_says_which_it_uses(monkeypatch, capsys):

@@ -59,13 +59,14 @@ def register(sub) -> None:
 
 def read_prompt(given: str | None) -> str:
     """The prompt to use: given, from standard input, or the demo prompt (said on stderr)."""
-    if given == "-" or (given is None and not sys.stdin.isatty()):
+    if given == "-" or (given is None and sys.stdin is not None and not sys.stdin.isatty()):
         text = sys.stdin.read()
-        if not text.strip():
+        if text.strip():
+            return text.rstrip("\n")
+        if given == "-":
             raise BlockspecError("The prompt read from standard input is empty: pipe some text in, or give "
                                  "PROMPT as an argument.")
-        return text.rstrip("\n")
-    if given is None:
+    if given is None:  # no argument, and nothing piped in (a terminal, or empty input as under make)
         print(f"blockspec: no prompt given; using the demo prompt: {DEMO_PROMPT!r}", file=sys.stderr)
         return DEMO_PROMPT
     if not given.strip():
