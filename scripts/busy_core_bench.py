@@ -1,11 +1,11 @@
 """Decode speed on a quiet machine and with one core kept busy, blockspec and llama.cpp in the same run.
 
     python scripts/busy_core_bench.py --reps 3 --max-new-tokens 128 [--variants default,threads2,threads1]
-        [--no-llama-cpp] [--json OUT.json]
+        [--busy-cores 1] [--no-llama-cpp] [--json OUT.json]
 
 Every measurement is a fresh process (OpenMP reads its settings when torch loads), the conditions and the
-methods alternating within each repetition; the busy core is a spinning Python process the scheduler may
-place anywhere. Prints each method's median decode tokens/s quiet and busy and the slowdown (quiet / busy).
+methods alternating within each repetition; a busy core is a spinning Python process the scheduler may
+place anywhere (--busy-cores of them). Prints each method's median decode tokens/s quiet and busy and the slowdown (quiet / busy).
 Methods: blockspec's plain decoding and its default (DFlash) set-up, each with the environment of a
 variant, and llama.cpp (llama-cpp-python, the `llamacpp` extra) on the same GGUF and prompt.
 Variants: default (the CPUs other processes leave free, blockspec/cpu_load.py), threads2 / threads1 (a
@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--variants", default="default,threads2,threads1")
+    parser.add_argument("--busy-cores", type=int, default=1)
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--json", default=None)
     parser.add_argument("--llama-cpp-worker", action="store_true", help=argparse.SUPPRESS)
@@ -87,8 +88,8 @@ def main() -> None:
     results: dict[str, dict[str, list[float]]] = {m: {"quiet": [], "busy": []} for m in methods}
     for rep in range(args.reps):
         for load in ("quiet", "busy") if rep % 2 == 0 else ("busy", "quiet"):
-            spinner = (subprocess.Popen([sys.executable, "-c", "while True: pass"]) if load == "busy"
-                       else None)
+            spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                        for _ in range(args.busy_cores if load == "busy" else 0)]
             try:
                 time.sleep(0.5)
                 order = list(methods) if rep % 2 == 0 else list(reversed(methods))
@@ -97,7 +98,7 @@ def main() -> None:
                     print(f"rep {rep} {load:5} {name:32} {results[name][load][-1]:7.1f} tok/s",
                           file=sys.stderr)
             finally:
-                if spinner is not None:
+                for spinner in spinners:
                     spinner.kill()
                     spinner.wait()
     print(f"{'method':34} {'quiet tok/s':>12} {'busy tok/s':>11} {'slowdown':>9}")
@@ -109,7 +110,8 @@ def main() -> None:
         print(f"{name:34} {quiet:12.1f} {busy:11.1f} {quiet / busy:8.2f}x")
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"max_new_tokens": args.max_new_tokens, "reps": args.reps, "rows": rows}, handle, indent=1)
+            json.dump({"max_new_tokens": args.max_new_tokens, "reps": args.reps, "busy_cores": args.busy_cores,
+                       "rows": rows}, handle, indent=1)
 
 
 if __name__ == "__main__":
