@@ -5,7 +5,8 @@
 
 Every measurement is a fresh process (OpenMP reads its settings when torch loads), the conditions and the
 methods alternating within each repetition; a busy core is a spinning Python process the scheduler may
-place anywhere (--busy-cores of them). Prints each method's median decode tokens/s quiet and busy and the slowdown (quiet / busy).
+place anywhere (--busy-cores of them). Prints each method's median decode tokens/s quiet and busy and the
+slowdown (quiet / busy).
 Methods: blockspec's plain decoding and its default (DFlash) set-up, each with the environment of a
 variant, and llama.cpp (llama-cpp-python, the `llamacpp` extra) on the same GGUF and prompt.
 Variants: default (the CPUs other processes leave free, blockspec/cpu_load.py), threads2 / threads1 (a
@@ -110,8 +111,8 @@ def main() -> None:
         print(f"{name:34} {quiet:12.1f} {busy:11.1f} {quiet / busy:8.2f}x")
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"max_new_tokens": args.max_new_tokens, "reps": args.reps, "busy_cores": args.busy_cores,
-                       "rows": rows}, handle, indent=1)
+            json.dump({"max_new_tokens": args.max_new_tokens, "reps": args.reps,
+                       "busy_cores": args.busy_cores, "rows": rows}, handle, indent=1)
 
 
 if __name__ == "__main__":
