@@ -156,7 +156,7 @@ class EngineConfig:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model-path", default=None,
+    g.add_argument("--model-path", default=None, metavar="DIR",
                    help="HF target folder (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--draft-model-path", "--speculative-draft-model-path", dest="draft_model_path",
                    default=None, metavar="DIR",
@@ -204,10 +204,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(never accepts less than it), then the most probable others (default best-first)")
     g.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="context length in tokens (default: the target's, at most 4096)")
-    g.add_argument("--threads", type=int, default=None,
+    g.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads (default: the CPUs this process may use, os.sched_getaffinity and a "
                         "cgroup quota; with --tp-size on the CPU, shared out among the ranks)")
-    g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
+    g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks: the engine starts them itself, or runs as one of them under "
                         "torchrun (default 1)")
     g.add_argument("--tp-backend", choices=["auto", "gloo", "nccl"], default="auto",

@@ -31,7 +31,11 @@ def add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 def register(sub) -> None:
     gen = sub.add_parser("generate", help="generate an answer to one prompt, printed as it is decoded",
-                         description=__doc__)
+                         description="Generate an answer to one prompt: its text streams as the engine "
+                                     "commits tokens, then a line of statistics on stderr (--json: one JSON "
+                                     "object instead). The prompt: PROMPT, '-' for standard input, or what "
+                                     "is piped in. A model with a chat template gets it as a user message in "
+                                     "the template (as llama-cli and ollama run do); --raw sends it as is.")
     gen.add_argument("prompt", nargs="?", default=None, metavar="PROMPT",
                      help="the prompt; '-' reads it from standard input (default: standard input when it "
                           "is not a terminal, else a demo prompt)")
