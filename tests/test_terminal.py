@@ -171,3 +171,11 @@ def test_stop_strings_in_the_api_end_where_plain_decoding_does(llm):
     decode = llm.tokenizer.decode
     assert stop in decode(spec.token_ids) and stop not in decode(spec.token_ids[:-1])
     assert len(spec.token_sources) == len(spec.token_ids)
+
+
+def test_a_reader_that_goes_away_is_no_error(tiny):
+    target, draft = tiny
+    cmd = (f"{sys.executable} -m blockspec generate --model-path {target} --draft-model-path {draft} "
+           f"--max-new-tokens 60 --raw --prompt-lookup-ngram 0 'hello' | head -c 1")
+    out = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
