@@ -185,5 +185,11 @@ def test_the_governor_takes_the_tree_only_where_it_commits_faster():
                                           (dict(speculative_tree_topk=0), "--speculative-tree-topk"),
                                           (dict(speculative_tree_rule="widest"), "--speculative-tree-rule")])
 def test_bad_tree_settings_are_refused_by_name(kwargs, flag):
-    with pytest.raises(BlockspecError, match=flag):
+    """By the API's field name in Python, by the flag on the command line."""
+    from blockspec.errors import cli_flags
+
+    field = next(iter(kwargs))
+    with pytest.raises(BlockspecError, match=f"^{field}="):
+        EngineConfig(**kwargs)
+    with pytest.raises(BlockspecError, match=f"^{flag}="), cli_flags({field: flag}):
         EngineConfig(**kwargs)
