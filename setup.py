@@ -10,7 +10,7 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 setup(
     ext_modules=[CppExtension(
         "blockspec._kernels",
-        [f"blockspec/kernels/{name}.cpp" for name in ("quant_matmul", "fused_ops", "attention",
+        [f"blockspec/kernels/{name}.cpp" for name in ("quant_matmul", "int8_matmul", "fused_ops", "attention",
                                                       "layer_stack")],
         # OpenMP: at::parallel_for runs on torch's own thread pool (the libgomp torch ships), so torch's
         # thread count (--threads) governs the kernels too.

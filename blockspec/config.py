@@ -15,6 +15,10 @@ if TYPE_CHECKING:
 
 ALGORITHMS = ("DFLASH", "NONE")
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1")
+CPU_ACTIVATIONS = ("auto", "int8", "fp32")
+# What "auto" takes for block weights: int8 activations, whose next-token distributions stay within rounding
+# of the fp32 reference on held-out text (README: the quality table; scripts/activation_quality.py).
+DEFAULT_CPU_ACTIVATIONS = "int8"
 # The command-line flag of each field whose name differs, for error messages.
 FLAGS = {"max_num_seqs": "--max-running-requests", "max_total_tokens": "--max-total-tokens",
          "prefill_tokens_per_step": "--prefill-tokens-per-step", "max_model_len": "--max-model-len",
@@ -42,6 +46,9 @@ class EngineConfig:
     # The target's weights on the CPU: GGUF blocks (a type, or auto: the embedded model's own blocks) with
     # fp32 activations, or none: dense in `dtype` (see `weight_blocks`).
     quantization: str = "auto"
+    # How block weights meet activations: int8 blocks of 32 (integer dot products), fp32 (the exact
+    # reference), or auto (DEFAULT_CPU_ACTIVATIONS). Dense weights are unaffected.
+    cpu_activations: str = "auto"
     seed: int | None = None  # torch's global seed (requests carry their own)
     max_model_len: int | None = None  # context length; None: min(max_position_embeddings, 4096)
     max_num_seqs: int = 8  # requests decoded together, one KV slot each
@@ -81,6 +88,9 @@ class EngineConfig:
             raise BlockspecError(f"--quantization {self.quantization}: block-quantized weights run on the "
                                  f"CPU with float32 activations, not on {device} in {self.dtype}. "
                                  f"Use --device cpu --dtype float32, or --quantization none.")
+        if self.cpu_activations not in CPU_ACTIVATIONS:
+            raise BlockspecError(f"cpu_activations={self.cpu_activations!r} (--cpu-activations) is not "
+                                 f"supported; use one of {', '.join(CPU_ACTIVATIONS)}.")
         if not isinstance(self.adaptive_speculation, bool):
             raise BlockspecError(f"adaptive_speculation={self.adaptive_speculation!r} must be True or "
                                  f"False.")
@@ -136,6 +146,11 @@ class EngineConfig:
             return "stored" if embedded and cpu_fp32 else None
         return None if self.quantization == "none" else self.quantization
 
+    @property
+    def activations(self) -> str:
+        """How block weights meet activations: "int8" or "fp32" (auto resolved)."""
+        return DEFAULT_CPU_ACTIVATIONS if self.cpu_activations == "auto" else self.cpu_activations
+
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> EngineConfig:
         """From parsed command-line flags (their dests are the field names)."""
@@ -158,9 +173,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default="auto")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--quantization", choices=list(QUANTIZATIONS), default="auto",
-                   help="the target's weights on the CPU: GGUF blocks with fp32 activations (auto: the "
+                   help="the target's weights on the CPU: GGUF blocks (auto: the "
                         "embedded model's own Q4_1/Q8_0 blocks; a type: every linear layer in it), "
                         "or none: dense fp32")
+    g.add_argument("--cpu-activations", choices=list(CPU_ACTIVATIONS), default="auto",
+                   help="how block weights meet activations on the CPU: int8 (each row quantized to blocks "
+                        "of 32, integer dot products: fastest), fp32 (the exact reference), or auto "
+                        f"(default: {DEFAULT_CPU_ACTIVATIONS}); dense weights are unaffected")
     g.add_argument("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=True,
                    help="take a plain decode step instead of a DFlash step when the measured step costs and "
                         "acceptance say it is faster (output is identical either way; default: on)")

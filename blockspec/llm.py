@@ -123,6 +123,9 @@ class LLM:
         self.target = load_target(self.model_path, self.dtype, self.device, self.weight_blocks, gguf,
                                   self.tp)
         self.target.fold_norm_weights()
+        self.activations = cfg.activations if self.weight_blocks is not None else "fp32"
+        if self.activations == "int8":
+            self.target.use_int8_activations()
         self.tokenizer = Tokenizer.from_folder(self.model_path)
         self.draft = None
         if draft_path is not None:

@@ -22,6 +22,14 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def block_target(tmp_path, qtype: str, activations: str, family: str = "llama"):
+    """A tiny target held as `qtype` blocks, multiplied with fp32 or int8 activations."""
+    target = load_target(write_tiny_target(tmp_path, family), torch.float32, torch.device("cpu"), qtype)
+    if activations == "int8":
+        target.use_int8_activations()
+    return target
+
+
 def test_rms_norm_silu_and_rope_match_torch():
     x, w = torch.randn(3, 5, 576, generator=gen(0)), torch.randn(576, generator=gen(1))
     want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
@@ -89,11 +97,12 @@ def test_attention_is_batch_invariant_bitwise():
         assert torch.equal(block[:, i], alone[:, 0])
 
 
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_quantized_target_hidden_states_are_batch_invariant(tmp_path, family):
+def test_quantized_target_hidden_states_are_batch_invariant(tmp_path, family, activations):
     """Every op on a block-held target's CPU path keeps each row's order fixed: a token's last-layer hidden
     state decoded alone equals, bit for bit, the same token's row in 2-, 5- and 16-token verify blocks."""
-    target = load_target(write_tiny_target(tmp_path, family), torch.float32, torch.device("cpu"), "q8_0")
+    target = block_target(tmp_path, "q8_0", activations, family)
     cache = KVCache.for_model(target, 1, 64)
     tokens = torch.randint(3, target.config.vocab_size, (1, 40), generator=gen(4))
     with torch.inference_mode():
@@ -106,11 +115,12 @@ def test_quantized_target_hidden_states_are_batch_invariant(tmp_path, family):
                 assert torch.equal(block[0, i], alone[i]), (n, i)
 
 
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_a_tree_node_is_the_same_bits_as_its_path_decoded_alone(tmp_path, family):
+def test_a_tree_node_is_the_same_bits_as_its_path_decoded_alone(tmp_path, family, activations):
     """In a tree's verify pass a node's keys (context and ancestors) sit among other branches' rows; its
     last-layer hidden state still equals, bit for bit, its path's last token decoded alone."""
-    target = load_target(write_tiny_target(tmp_path, family), torch.float32, torch.device("cpu"), "q8_0")
+    target = block_target(tmp_path, "q8_0", activations, family)
     cache = KVCache.for_model(target, 1, 64)
     context = torch.randint(3, target.config.vocab_size, (1, 20), generator=gen(5))
     # root 0; 1, 2 under it; 3 under 2; 4 under 1; 5 under 3; 6 under 4
@@ -144,10 +154,11 @@ def test_fused_forward_matches_the_torch_ops(tmp_path, monkeypatch):
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
 
 
-def test_layer_stack_op_equals_the_python_layers_bitwise(tmp_path):
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_layer_stack_op_equals_the_python_layers_bitwise(tmp_path, activations):
     """A block-held Llama runs its layers as one op (blockspec/kernels/layer_stack.cpp): the same ops in the
     same order as the Python layers, so the same bits, captured features included."""
-    target = load_target(write_tiny_target(tmp_path), torch.float32, torch.device("cpu"), "q4_1")
+    target = block_target(tmp_path, "q4_1", activations)
     assert target.block_stack() is not None
     tokens = torch.randint(3, target.config.vocab_size, (2, 12), generator=gen(6))
     last = len(target.layers) - 1

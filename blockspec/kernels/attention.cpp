@@ -7,22 +7,11 @@
 #include <limits>
 #include <vector>
 
+#include "attention.h"
 #include "ops.h"
 #include "simd.h"
 
 namespace blockspec_kernels {
-
-struct AttentionArgs {
-  const float* q;
-  const float* k;
-  const float* v;
-  const bool* visible;  // [b, n, L] or null (all visible)
-  const int64_t* slots;  // k / v's first-dim index per batch row, or null (row bi at bi)
-  float* out;
-  int64_t b, n, heads, kv_heads, length, d;
-  int64_t qs[3], ks[3], vs[3];  // strides of q [b, n, heads], k / v [b, kv_heads, L] (last dim contiguous)
-  float scale;
-};
 
 float dot_portable(const float* a, const float* b, int64_t d) {
   float dot = 0.0f;
@@ -150,42 +139,49 @@ int64_t gather_visible(const bool* vis, int64_t length, float* s, std::vector<in
   return count;
 }
 
-// Each (batch row, query, head) on its own: scores, softmax, weighted V rows.
+// Items [i0, i1) of the (batch row, query, head) items, each on its own: scores, softmax, weighted V rows.
+void attend_items(const AttentionArgs& a, int64_t i0, int64_t i1) {
+  const bool fast = avx2_fma() && a.d % 8 == 0 && a.d <= 256;
+  const int64_t groups = a.heads / a.kv_heads;
+  std::vector<float> scores((a.length + 7) / 8 * 8);
+  std::vector<int64_t> keys;
+  for (int64_t item = i0; item < i1; ++item) {
+    const int64_t h = item % a.heads, qi = (item / a.heads) % a.n, bi = item / (a.heads * a.n);
+    const int64_t g = h / groups;
+    const float* qp = a.q + bi * a.qs[0] + qi * a.qs[1] + h * a.qs[2];
+    const int64_t kb = a.slots != nullptr ? a.slots[bi] : bi;
+    const float* kp = a.k + kb * a.ks[0] + g * a.ks[1];
+    const float* vp = a.v + kb * a.vs[0] + g * a.vs[1];
+    const bool* vis_row = a.visible ? a.visible + (bi * a.n + qi) * a.length : nullptr;
+    float* op = a.out + (bi * a.n + qi) * a.heads * a.d + h * a.d;
+#ifdef BLOCKSPEC_X86
+    if (fast) {
+      scores_avx2(a, qp, kp, scores.data());
+      const int64_t count = gather_visible(vis_row, a.length, scores.data(), keys);
+      attend_avx2(a, vp, scores.data(), keys.empty() ? nullptr : keys.data(), count, op);
+      continue;
+    }
+#endif
+    scores_portable(a, qp, kp, scores.data());
+    const int64_t count = gather_visible(vis_row, a.length, scores.data(), keys);
+    attend_portable(a, vp, scores.data(), keys.empty() ? nullptr : keys.data(), count, op);
+  }
+}
+
+namespace {
+
 at::Tensor attend_all(const at::Tensor& q, AttentionArgs& a) {
   at::Tensor out = at::empty({a.b, a.n, a.heads * a.d}, q.options());
   a.q = q.data_ptr<float>();
   a.out = out.data_ptr<float>();
   for (int i = 0; i < 3; ++i) a.qs[i] = q.stride(i);
   a.scale = 1.0f / std::sqrt(static_cast<float>(a.d));
-  const bool fast = avx2_fma() && a.d % 8 == 0 && a.d <= 256;
-  const int64_t groups = a.heads / a.kv_heads, items = a.b * a.n * a.heads;
-  maybe_parallel(items, 4 * a.length * a.d, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores((a.length + 7) / 8 * 8);
-    std::vector<int64_t> keys;
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t h = item % a.heads, qi = (item / a.heads) % a.n, bi = item / (a.heads * a.n);
-      const int64_t g = h / groups;
-      const float* qp = a.q + bi * a.qs[0] + qi * a.qs[1] + h * a.qs[2];
-      const int64_t kb = a.slots != nullptr ? a.slots[bi] : bi;
-      const float* kp = a.k + kb * a.ks[0] + g * a.ks[1];
-      const float* vp = a.v + kb * a.vs[0] + g * a.vs[1];
-      const bool* vis_row = a.visible ? a.visible + (bi * a.n + qi) * a.length : nullptr;
-      float* op = a.out + (bi * a.n + qi) * a.heads * a.d + h * a.d;
-#ifdef BLOCKSPEC_X86
-      if (fast) {
-        scores_avx2(a, qp, kp, scores.data());
-        const int64_t count = gather_visible(vis_row, a.length, scores.data(), keys);
-        attend_avx2(a, vp, scores.data(), keys.empty() ? nullptr : keys.data(), count, op);
-        continue;
-      }
-#endif
-      scores_portable(a, qp, kp, scores.data());
-      const int64_t count = gather_visible(vis_row, a.length, scores.data(), keys);
-      attend_portable(a, vp, scores.data(), keys.empty() ? nullptr : keys.data(), count, op);
-    }
-  });
+  maybe_parallel(a.b * a.n * a.heads, 4 * a.length * a.d,
+                 [&](int64_t i0, int64_t i1) { attend_items(a, i0, i1); });
   return out;
 }
+
+}  // namespace
 
 // Grouped-query attention: q [b, n, heads, d], k / v [b, kv_heads, L, d], visible bool [b, n, L] or None
 // (every query sees every key). Returns [b, n, heads * d]. Scale 1/sqrt(d), as SDPA's default.

@@ -135,30 +135,40 @@ class CausalLM(nn.Module):
     def run_block_stack(self, ops, x: torch.Tensor, batch: ForwardBatch, rope: Rope, first: int,
                         capture: tuple[int, ...]) -> list[torch.Tensor]:
         """Layers first.. as one op (`block_stack`): [last output, then the outputs of layers `capture`]."""
-        weights, qtypes, norms = self.block_stack()
+        weights, qtypes, norms, int8 = self.block_stack()
         attn, cache = self.layers[0].self_attn, batch.cache
         return ops.decoder_layers(
             x, weights[4 * first :], qtypes[4 * first :], norms[2 * first :], self.config.rms_norm_eps,
-            attn.heads, attn.kv_heads, *rope, cache.k_layers[first:], cache.v_layers[first:], batch.slots,
-            batch.starts, batch.kv_length, batch.visible(), [i - first for i in capture])
+            attn.heads, attn.kv_heads, self.config.intermediate_size, *rope, cache.k_layers[first:],
+            cache.v_layers[first:], batch.slots, batch.starts, batch.kv_length, batch.visible(),
+            [i - first for i in capture], int8)
 
-    def block_stack(self) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor]] | None:
-        """The layers' blocks, their types and norm weights for the one-op CPU layer stack
-        (blockspec/kernels/layer_stack.cpp), or None where a layer cannot run there (dense or biased
-        linears, q/k norms, and under tensor parallelism: the op has no all-reduce between its layers, so
-        the layers run one by one there). Gathered once: the layers hold their weights for good after
-        loading."""
+    def block_stack(self) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor], bool] | None:
+        """The layers' blocks, their types, norm weights and activation form (int8 or not) for the one-op
+        CPU layer stack (blockspec/kernels/layer_stack.cpp), or None where a layer cannot run there (dense or
+        biased linears, q/k norms, layers in mixed forms, and under tensor parallelism: the op has no
+        all-reduce between its layers, so the layers run one by one there). Gathered once: the layers hold
+        their weights for good after loading."""
         if "_block_stack" not in self.__dict__:
             linears = [linear for layer in self.layers for linear in (layer.self_attn.qkv_proj,
                        layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
             runs = all(linear.quant is not None and linear.bias is None and linear.parallel is None
                        for linear in linears) and all(
                 layer.self_attn.q_norm is None and not layer.input_layernorm.folded for layer in self.layers)
-            self.__dict__["_block_stack"] = None if not runs else (
+            forms = {linear.quant.activations for linear in linears} if runs else set()
+            self.__dict__["_block_stack"] = None if len(forms) != 1 else (
                 [linear.quant.data for linear in linears], [linear.quant.qtype.ggml_id for linear in linears],
                 [norm.weight for layer in self.layers
-                 for norm in (layer.input_layernorm, layer.post_attention_layernorm)])
+                 for norm in (layer.input_layernorm, layer.post_attention_layernorm)], forms == {"int8"})
         return self.__dict__["_block_stack"]
+
+    def use_int8_activations(self) -> None:
+        """Multiply every block-held weight with int8 activations from now on (layers/quant.py): the blocks
+        are repacked once, after loading."""
+        for module in self.modules():
+            if getattr(module, "quant", None) is not None:
+                module.quant.use_int8()
+        self.__dict__.pop("_block_stack", None)
 
     def fold_norm_weights(self) -> None:
         """For inference: fold each layer's two RMSNorm weights into the projection they feed, saving 60
