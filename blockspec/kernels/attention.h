@@ -17,7 +17,9 @@ struct AttentionArgs {
   float scale;
 };
 
-// Items [i0, i1) of the b * n * heads (batch row, query, head) items, item = (bi * n + qi) * heads + h.
-void attend_items(const AttentionArgs& a, int64_t i0, int64_t i1);
+// The attention's work split into items for `threads` threads (blocks of query rows and heads sharing K/V
+// tiles), and items [i0, i1) of that split computed. Every (query, head) gives the same bits in any split.
+int64_t attention_items(const AttentionArgs& a, int64_t threads);
+void attend_items(const AttentionArgs& a, int64_t i0, int64_t i1, int64_t threads);
 
 }  // namespace blockspec_kernels

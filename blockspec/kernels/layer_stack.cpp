@@ -40,8 +40,9 @@ std::vector<at::Tensor> int8_stack(const at::Tensor& x_in, at::TensorList weight
   const int64_t max_len = cache_k[0].size(2);
   // Every check before the team starts: nothing may throw inside it.
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && hidden % 32 == 0 && attn_width % 32 == 0 &&
-                  intermediate % 32 == 0 && heads % kv_heads == 0 && d % 2 == 0 && d <= 1024,
-              "blockspec decoder_layers: int8 activations need float32 x and widths that are multiples of 32");
+                  intermediate % 32 == 0 && heads % kv_heads == 0 && d % 8 == 0 && d <= 256,
+              "blockspec decoder_layers: int8 activations need float32 x, widths that are multiples of 32 and a "
+              "head_dim that is a multiple of 8, at most 256");
   TORCH_CHECK(cos.numel() == rows * d && sin.numel() == rows * d && cos.is_contiguous() && sin.is_contiguous(),
               "blockspec decoder_layers: cos/sin must be contiguous [b, n, 1, d]");
   for (int64_t i = 0; i < layers; ++i) {
@@ -143,8 +144,8 @@ std::vector<at::Tensor> int8_stack(const at::Tensor& x_in, at::TensorList weight
       }
 #pragma omp barrier
       args.k = ck, args.v = cv;
-      share(rows * heads, 1, t, threads, s0, s1);
-      attend_items(args, s0, s1);
+      share(attention_items(args, threads), 1, t, threads, s0, s1);
+      attend_items(args, s0, s1, threads);
 #pragma omp barrier
       share(rows, 1, t, threads, s0, s1);
       quantize_activation_rows(attnp + s0 * attn_width, attn_width, s0, s1, simd, act_attn);
