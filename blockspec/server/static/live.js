@@ -33,7 +33,7 @@
       text += plan.tree_budget ? ` tree ${plan.tree_budget}` : ` block ${plan.block_size}`;
     }
     if (plan.kind === 'lookup' || plan.kind === 'mixed') text += ` · width ${plan.width}`;
-    return busy ? text : text + ' (last)';
+    return busy ? text : text + ' (idle)';
   }
 
   function show(now, then) {
