@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,6 +45,8 @@ class RequestOutput:
     time_to_first_token_s: float
     decode_time_s: float
     stats: RequestStats
+    # Per output token: (where it came from: "draft", "lookup" or "target"; the step that committed it)
+    token_sources: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def accept_lengths(self) -> list[int]:
@@ -277,4 +279,5 @@ class LLM:
             time_to_first_token_s=seq.first_token_time - seq.arrival_time,
             decode_time_s=seq.finish_time - seq.first_token_time,
             stats=seq.stats,
+            token_sources=seq.token_sources,
         )

@@ -24,6 +24,10 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     slot: int = -1
     output_ids: list[int] = field(default_factory=list)
+    # Parallel to output_ids: where each token came from ("draft" or "lookup": proposed and accepted by the
+    # target; "target": the target's own token after a step's accepted run, or a plain step's) and the
+    # decode step that committed it (0: the prefill's first token; then stats.num_steps).
+    token_sources: list[tuple[str, int]] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
     # Moving averages of its accept lengths per kind of drafted step (the governor's: chain, tree)
     tau_estimates: dict = field(default_factory=dict)
@@ -59,12 +63,14 @@ class Sequence:
         """The absolute position of the next token to be committed (the key of its draw)."""
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def emit(self, tokens: list[int]) -> int:
+    def emit(self, tokens: list[int], proposer: str = "target") -> int:
         """Append tokens in order until a stop token (kept) or max_tokens; returns how many were taken.
-        Stops are found by position in the committed run, never by filtering token values."""
-        taken = 0
-        for token in tokens:
+        Stops are found by position in the committed run, never by filtering token values. tokens[:-1]
+        were proposed by `proposer` ("draft" or "lookup") and accepted; the last is the target's own."""
+        taken, step, last = 0, self.stats.num_steps, len(tokens) - 1
+        for i, token in enumerate(tokens):
             self.output_ids.append(token)
+            self.token_sources.append((proposer if i < last else "target", step))
             taken += 1
             if self.first_token_time is None:
                 self.first_token_time = time.perf_counter()

@@ -2,7 +2,9 @@
 
 Routes: GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (both
 with `"stream": true` as server-sent events in OpenAI's chunk format, `stream_options.include_usage` for
-a final usage chunk, then `data: [DONE]`), GET /health, GET /metrics (Prometheus text).
+a final usage chunk, then `data: [DONE]`), GET /health, GET /metrics (Prometheus text), GET /stats (the
+engine's live view, JSON), and GET / the chat page (ui.py; `chat_page=False` turns it off). A request
+may ask for its tokens' sources (token_sources.py).
 With an API key, every /v1 route needs `Authorization: Bearer KEY` (401 otherwise); /health and
 /metrics stay open for probes and scrapers. Every error is OpenAI's error JSON; nothing is a bare 500.
 A client that disconnects (streaming or not) has its request aborted and its KV freed before the
@@ -31,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from blockspec.engine.sequence import Sequence
 from blockspec.errors import BlockspecError
+from blockspec.server import token_sources, ui
 from blockspec.server.async_engine import AsyncEngine, Output
 from blockspec.server.door import Door, request_id
 from blockspec.server.metrics import Metrics
@@ -47,9 +50,10 @@ CHARS_PER_TOKEN_BOUND = 16  # text tokenizes to ~4 characters a token; a prefix 
 
 def create_app(llm, api_key: str | None = None, served_model_name: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               cors_origins: list[str] | None = None) -> FastAPI:
+               cors_origins: list[str] | None = None, chat_page: bool = True) -> FastAPI:
     """An app serving `llm` (a blockspec.LLM, its engine settings in llm.config); the engine thread starts
-    and stops with the app. `cors_origins`: browser origins allowed to call it (None: CORS off)."""
+    and stops with the app. `cors_origins`: browser origins allowed to call it (None: CORS off).
+    `chat_page`: serve the chat page at `/`."""
     scheduler = llm.scheduler()
     metrics = Metrics(llm.block_size)
     engine = AsyncEngine(scheduler, llm.tokenizer, metrics)
@@ -107,6 +111,10 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    ui.add_live_view(app, engine, algorithm, llm.config.adaptive_speculation)
+    if chat_page:
+        ui.add_chat_page(app)
+
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "blockspec",
             "max_model_len": llm.max_model_len, "speculative_algorithm": algorithm, "block_size": block_size}
 
@@ -150,11 +158,12 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
         if isinstance(body, dict):
             check_model(body.get("model"))
         parsed = parse_request(body, chat)
+        sources = token_sources.requested(body)
         async with tokenizing:
             seq = await asyncio.to_thread(make_sequence, body, parsed, chat)
         refuse_if_stopping()
         log.debug("request %s is seq %d", request_id(request.scope), seq.seq_id)
-        outputs = engine.submit(seq, parsed.stop)
+        outputs = engine.submit(seq, parsed.stop, sources)
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         if parsed.stream:
             return StreamingResponse(stream(seq, outputs, parsed, chat, rid, created),
@@ -213,9 +222,9 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
                     done = True
                     yield sse(failure(out).body())
                     break
-                if out.text:
-                    yield sse(envelope(chat, True, rid, created, model_name,
-                                       [choice(chat, out.text, None, True)]))
+                if out.text or out.pieces:
+                    piece = token_sources.attach(choice(chat, out.text, None, True), out.pieces)
+                    yield sse(envelope(chat, True, rid, created, model_name, [piece]))
                 if out.finish_reason is not None:
                     done = True
                     yield sse(envelope(chat, True, rid, created, model_name,
@@ -232,6 +241,7 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
     async def collect(request: Request, seq: Sequence, outputs: asyncio.Queue, chat: bool, rid: str,
                       created: int) -> Response:
         pieces: list[str] = []
+        tokens: list[token_sources.Piece] | None = None
         pending: asyncio.Future | None = None
         # The body is read, so the next ASGI message can only be http.disconnect: watch for it.
         watch: asyncio.Future = asyncio.ensure_future(request.receive())
@@ -251,10 +261,14 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
                     done = True
                     raise failure(out)
                 pieces.append(out.text)
+                if out.pieces is not None:
+                    tokens = tokens or []
+                    tokens.extend(out.pieces)
                 if out.finish_reason is not None:
                     done = True
-                    body = envelope(chat, False, rid, created, model_name,
-                                    [choice(chat, "".join(pieces), out.finish_reason, False)],
+                    reply = token_sources.attach(choice(chat, "".join(pieces), out.finish_reason, False),
+                                                 tokens)
+                    body = envelope(chat, False, rid, created, model_name, [reply],
                                     usage=usage(len(seq.prompt_ids), out.num_output_tokens),
                                     blockspec=final(out))
                     return JSONResponse(body)

@@ -23,7 +23,9 @@ from blockspec.engine.sequence import Sequence
 from blockspec.engine.stats import RequestStats
 from blockspec.errors import BlockspecError
 from blockspec.models.tokenizer import StreamDecoder, Tokenizer
+from blockspec.server.live import LiveView
 from blockspec.server.metrics import Metrics
+from blockspec.server.token_sources import Piece, PieceStream
 
 log = logging.getLogger("blockspec.server")
 
@@ -38,6 +40,7 @@ class Output:
     stats: RequestStats = field(default_factory=RequestStats)  # on the last update only
     error: str | None = None
     shutdown: bool = False  # the error is the server stopping, not a fault
+    pieces: list[Piece] | None = None  # the text's tokens and their sources, when the request asked
 
 
 @dataclass
@@ -50,6 +53,7 @@ class _Tracked:
     sent_tokens: int = 0
     sent_accepts: int = 0
     held: str = ""  # decoded text held back because it may be the start of a stop string
+    pieces: PieceStream | None = None  # set when the request asked for its tokens' sources
 
 
 def find_stop(text: str, stops: list[str]) -> tuple[int | None, int]:
@@ -77,6 +81,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.draining = False  # set once the server stops admitting (shutdown.py); handlers then refuse
         self.snapshot: dict[str, float] = {}
+        self.live = LiveView()
         self._publish()
 
     # ---- called from the event loop --------------------------------------------------------------
@@ -94,10 +99,11 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, seq: Sequence, stop: list[str]) -> asyncio.Queue:
-        """Queue a validated sequence; its `Output`s arrive on the returned queue."""
+    def submit(self, seq: Sequence, stop: list[str], token_sources: bool = False) -> asyncio.Queue:
+        """Queue a validated sequence; its `Output`s arrive on the returned queue (with their tokens'
+        sources if `token_sources`)."""
         tracked = _Tracked(seq, asyncio.get_running_loop(), asyncio.Queue(), StreamDecoder(self.tokenizer),
-                           stop)
+                           stop, pieces=PieceStream() if token_sources else None)
         self._inbox.put(("add", tracked))
         self._wake.set()
         return tracked.queue
@@ -143,8 +149,9 @@ class AsyncEngine:
             accepts: list[int] = []
             for seq in ran:
                 accepts += self._deliver(seq)
-            self.metrics.step(time.perf_counter() - start,
-                              accepts if self.scheduler.decoder.speculative else [])
+            accepts = accepts if self.scheduler.decoder.speculative else []
+            self.metrics.step(time.perf_counter() - start, accepts)
+            self.live.step(getattr(self.scheduler.decoder, "last_plan", None), accepts)
             self._publish()
         self._fail_all("the server is shutting down", shutdown=True)
 
@@ -185,27 +192,35 @@ class AsyncEngine:
         tracked = self._tracked.get(seq.seq_id)
         if tracked is None:
             return []
-        new = seq.output_ids[tracked.sent_tokens :]
+        start = tracked.sent_tokens
+        new, origins = seq.output_ids[start:], seq.token_sources[start:]
         accepts = seq.stats.accept_lengths[tracked.sent_accepts :]
         tracked.sent_tokens, tracked.sent_accepts = len(seq.output_ids), len(seq.stats.accept_lengths)
-        text = tracked.held + "".join(tracked.decoder.push(t) for t in new)
-        if seq.finished:
-            text += tracked.decoder.flush()
+        self.live.committed(origins)
+        texts = [tracked.decoder.push(t) for t in new]
+        tail = tracked.decoder.flush() if seq.finished else ""
+        text = tracked.held + "".join(texts) + tail
         reason = seq.finish_reason
-        tracked.held = ""
+        tracked.held, keep, cut = "", None, False  # keep: characters of `text` that go out now (None: all)
         if tracked.stop:
-            cut, hold = find_stop(text, tracked.stop)
-            if cut is not None:
-                text, reason = text[:cut], "stop"
+            at, hold = find_stop(text, tracked.stop)
+            if at is not None:
+                keep, cut, reason = at, True, "stop"
                 if not seq.finished:
                     self.scheduler.abort(seq.seq_id, reason="stop")  # frees its KV now
             elif reason is None and hold:
-                text, tracked.held = text[: len(text) - hold], text[len(text) - hold :]
-        if text or reason is not None:
+                keep = len(text) - hold
+        pieces = None
+        if tracked.pieces is not None:  # held back a token at a time, so no token's text is split
+            pieces, text, tracked.held = tracked.pieces.take(texts, tail, origins, keep, cut)
+        elif keep is not None:
+            text, tracked.held = text[:keep], "" if cut else text[keep:]
+        if text or pieces or reason is not None:
             final = reason is not None
             error = f"the request failed: {seq.error}" if reason == "error" else None
             self._post(tracked, Output(text, len(seq.output_ids), reason,
-                                       seq.stats.copy() if final else RequestStats(), error))
+                                       seq.stats.copy() if final else RequestStats(), error,
+                                       pieces=pieces))
         if reason is not None:
             self._tracked.pop(seq.seq_id, None)
             self._done(seq, reason)
