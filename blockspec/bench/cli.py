@@ -133,7 +133,9 @@ def run_bench_command(args: argparse.Namespace) -> None:
                                  "the budgets at one --block-size.")
         args.speculative_tree_budget = max(args.sweep_tree_budgets)  # slabs sized for the largest tree
 
-    llm = LLM(EngineConfig.from_args(args, max_num_seqs=1))
+    # No prefix cache: the methods run the same prompts back to back, and the later one would be handed the
+    # earlier one's prefill (bench-serving --multi-turn / --shared-prefix measure the cache).
+    llm = LLM(EngineConfig.from_args(args, max_num_seqs=1, prefix_caching=False))
     has_draft = llm.draft is not None
     if not has_draft:
         if args.baseline == "none" or args.sweep_block_sizes or args.sweep_tree_budgets or args.plot:

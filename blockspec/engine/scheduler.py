@@ -46,6 +46,7 @@ from collections import deque
 from typing import Callable, Protocol
 
 from blockspec.engine.mirror import Mirror
+from blockspec.engine.prefix_reuse import PrefixReuse, prefill_order
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
 from blockspec.errors import RequestError
@@ -76,11 +77,14 @@ class Scheduler:
         prefill_tokens_per_step: int | None = None,
         prefill_decode_ratio: float | None = None,
         mirror: tuple[Mirror, int] | None = None,
+        prefix_caching: bool | None = None,
     ) -> None:
         """`prefill_decode_ratio`: while requests decode, prefill tokens per step per decoded row (None:
         DEFAULT_PREFILL_DECODE_RATIO; 0: no sharing, every step prefills prefill_tokens_per_step).
         `mirror`: on tensor-parallel rank 0, the channel its adds, aborts and steps go through to the other
-        ranks' copies of this scheduler, and this scheduler's number there (engine/mirror.py)."""
+        ranks' copies of this scheduler, and this scheduler's number there (engine/mirror.py).
+        `prefix_caching`: reuse computed prefixes and keep finished requests' (engine/prefix_cache.py);
+        None: the runner's setting."""
         self.runner, self.decoder = runner, decoder
         self.mirror = mirror
         self.width = decoder.step_width
@@ -101,6 +105,9 @@ class Scheduler:
         # prefilling seq_id -> the ids to prefill (progress: its num_cached)
         self._prefill_ids: dict[int, list[int]] = {}
         self.num_preemptions = 0
+        self.cache = runner.prefix_cache
+        enabled = self.cache.enabled if prefix_caching is None else bool(prefix_caching)
+        self.reuse = PrefixReuse(runner, decoder.speculative, enabled, self._prefill_ids)
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -180,12 +187,13 @@ class Scheduler:
     def _retire(self) -> None:
         for seq in self.running:
             if seq.finished:
-                self.runner.release(seq)
+                self.reuse.leave(seq)  # kept as a prefix-cache entry, or freed
                 self._prefill_ids.pop(seq.seq_id, None)
         self.running = [s for s in self.running if not s.finished]
 
     def _make_room(self) -> None:
         total = self.tokens_in_use
+        self.cache.trim(self.max_total_tokens - total)  # cache entries go before any request is preempted
         while total > self.max_total_tokens and len(self.running) > 1:
             victim = max(self.running, key=lambda s: (s.arrival_time, s.seq_id))
             total -= self._holding(victim)
@@ -195,13 +203,14 @@ class Scheduler:
         self.runner.release(seq)
         self.running = [s for s in self.running if s.seq_id != seq.seq_id]
         self._prefill_ids.pop(seq.seq_id, None)
+        self.reuse.awaiting.discard(seq.seq_id)
         seq.num_cached = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def _admit(self) -> None:
         in_use = self.tokens_in_use
-        while self.waiting and self.runner.pool.num_free:
+        while self.waiting and self.runner.slots_available:
             seq = self.waiting[0]
             # A resumed request recomputes prompt + output[:-1]; its pending token output[-1] is kept.
             ids = seq.prompt_ids + seq.output_ids[:-1]
@@ -209,20 +218,22 @@ class Scheduler:
             if in_use + need > self.max_total_tokens:
                 break
             self.waiting.popleft()
-            self.runner.admit(seq)
-            seq.num_cached = 0
+            self.reuse.place(seq, ids, self.running)
             self._prefill_ids[seq.seq_id] = ids
             self.running.append(seq)
             in_use += need
+            self.cache.trim(self.max_total_tokens - in_use)
 
     def _prefill(self) -> list[Sequence]:
         """Run this step's share of prefill; sequences whose prefill ends get their first token."""
         left = self.prefill_allowance()
         rows: list[tuple[Sequence, list[int]]] = []
         prefilling = (s for s in self.running if s.seq_id in self._prefill_ids)
-        for seq in sorted(prefilling, key=lambda s: s.arrival_time):
+        for seq in sorted(prefilling, key=prefill_order):
+            if self.reuse.pull(seq, self.running):
+                continue  # the request ahead of it computes its prefix: it copies the rows next step
             if left <= 0:
-                break
+                continue
             ids = self._prefill_ids[seq.seq_id]
             chunk = ids[seq.num_cached : seq.num_cached + left]
             rows.append((seq, chunk))
@@ -230,6 +241,7 @@ class Scheduler:
         for group in self._groups(rows):
             seqs, chunks = [s for s, _ in group], [c for _, c in group]
             hidden = self.runner.prefill(seqs, chunks, capture=self.decoder.speculative)
+            self.cache.miss_tokens += sum(len(c) for c in chunks)
             done = [i for i, s in enumerate(seqs) if s.num_cached == len(self._prefill_ids[s.seq_id])]
             fresh = [i for i in done if not seqs[i].output_ids]
             if fresh:
