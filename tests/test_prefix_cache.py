@@ -299,3 +299,21 @@ def shared_engine(models) -> TinyEngine:
     if id(models) not in _SHARED:
         _SHARED[id(models)] = make(models, slots=3)
     return _SHARED[id(models)]
+
+
+def test_the_embedded_model_hit_gives_the_bits_of_a_miss(smollm2_dir):
+    """SmolLM2 as it ships (its GGUF's blocks, the shipped draft): turn 2 of a chat hits turn 1 and its
+    answer; its tokens, and the target K/V it leaves, are those of an engine that never saw turn 1."""
+    from blockspec import LLM
+
+    warm, cold = (LLM(max_num_seqs=2, max_model_len=512) for _ in range(2))
+    messages = [{"role": "user", "content": "Name three prime numbers and say why they are prime."}]
+    params = SamplingParams(max_tokens=24)
+    first = warm.chat(messages, params)[0]
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And two more?"}]
+    hit, miss = warm.chat(messages, params)[0], cold.chat(messages, params)[0]
+    assert hit.cached_tokens >= first.num_prompt_tokens and miss.cached_tokens == 0
+    assert hit.token_ids == miss.token_ids
+    (kept,), (fresh,) = (llm.runner.prefix_cache.entries.values() for llm in (warm, cold))
+    assert kept.tokens == fresh.tokens
+    assert torch.equal(target_rows(warm, kept.slot, kept.ready), target_rows(cold, fresh.slot, fresh.ready))

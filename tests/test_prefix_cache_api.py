@@ -9,6 +9,9 @@ reach on every rank, so recomputed and reused K/V are the same bits without rais
 
 from __future__ import annotations
 
+import os
+import time
+
 import httpx
 import openai
 import pytest
@@ -149,3 +152,119 @@ def test_the_flags_turn_it_off(folders):
     llm = make_llm(folders, prefix_caching=False)
     outs = [llm.generate("Twice over.", SamplingParams(max_tokens=4))[0] for _ in range(2)]
     assert [o.cached_tokens for o in outs] == [0, 0] and not llm.runner.prefix_cache.entries
+
+
+def test_bench_serving_measures_the_cache(folders, tmp_path):
+    import json
+
+    from blockspec.cli import main
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"turns": [f"Question {i}: what is {i} plus {i}?", "Why?"]}) + "\n"
+                            for i in range(3)))
+    common = ["--dataset", str(data), "--num-prompts", "3", "--max-new-tokens", "6", "--model-path",
+              folders["target"], "--draft-model-path", folders["draft"], "--device", "cpu", "--quantization",
+              "q4_1", "--prefill-tokens-per-step", "16", "--no-adaptive-speculation"]
+    out = tmp_path / "multi.json"
+    assert main(["bench-serving", "--multi-turn", "--json", str(out), *common]) == 0
+    report = json.loads(out.read_text())
+    assert report["mode"] == "multi-turn" and report["num_conversations"] == 3
+    assert report["outputs_match"] == 1.0 and report["turn2_tau_cached"] >= 1
+    for row in report["per_conversation"]:
+        assert 0 < row["cached_tokens"] < row["turn2_prompt_tokens"] and row["outputs_match"]
+    out = tmp_path / "shared.json"
+    assert main(["bench-serving", "--shared-prefix", "40", "--concurrency", "1,2", "--json", str(out),
+                 *common]) == 0
+    report = json.loads(out.read_text())
+    assert report["shared_prompt_tokens"] >= 40 and len(report["rows"]) == 4
+    for row in report["rows"]:
+        assert (row["hit_rate"] > 0) == row["prefix_caching"] and row["outputs_match"] == 1.0
+    assert main(["bench-serving", "--multi-turn", "--shared-prefix", "8", *common]) == 2
+
+
+SOAK_SECONDS = float(os.environ.get("BLOCKSPEC_PREFIX_SOAK_SECONDS", "10"))
+SOAK_BUDGET = 240  # KV tokens for entries and running requests together: the cache is always under pressure
+STEMS = ["Shared stem one: " + "abcdefgh" * 5, "Another shared stem, two: " + "xyz" * 9, "Third " + "q" * 30]
+
+
+def soak_prompts() -> list[str]:
+    """Prompts that share stems (cut at several points, own tails), and a few unique ones."""
+    prompts = [stem[:cut] + tail for stem in STEMS for cut in (12, len(stem)) for tail in ("!", " and more?")]
+    return prompts + [f"Unique prompt {i}: " + "mn"[i % 2] * (3 + 4 * i) for i in range(4)]
+
+
+def soak_client(url: str, seed: int, deadline: float, want: dict, results: dict) -> None:
+    import random
+
+    rng = random.Random(seed)
+    prompts = soak_prompts()
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as http:
+        while time.time() < deadline:
+            i, kind = rng.randrange(len(prompts)), rng.random()
+            body = {"prompt": prompts[i], "max_tokens": 10 + i % 7, "temperature": 0}
+            if kind < 0.3:
+                body.update(temperature=0.8, seed=i)
+            if kind < 0.8:
+                r = http.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                out = r.json()
+                key = (i, body["temperature"])
+                results["done"].append((out["choices"][0]["text"], want[key]))
+                results["cached"] += out["usage"]["prompt_tokens_details"]["cached_tokens"]
+            else:  # a stream the client drops after a few events: the request is aborted
+                with http.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                                  "max_tokens": 60}) as r:
+                    for n, _ in enumerate(r.iter_lines()):
+                        if n >= rng.randint(1, 3):
+                            break
+                results["aborted"] += 1
+
+
+def test_soak_under_cache_pressure(folders, reference):
+    """Clients mix hits (shared stems, repeats) and misses, greedy and sampled, and drop streams, against
+    a KV budget that keeps evicting: every answer is the request's answer alone, and at the end no slot,
+    row or entry is held beyond the budget."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from blockspec.server.app import create_app
+    from tests.test_server_soak import rss_mb
+
+    prompts = soak_prompts()
+    want = {}
+    for i, prompt in enumerate(prompts):
+        for temperature in (0.0, 0.8):
+            params = SamplingParams(max_tokens=10 + i % 7, temperature=temperature, seed=i)
+            want[i, temperature] = reference.generate(prompt, params)[0].text
+    app = create_app(make_llm(folders, max_num_seqs=4, max_total_tokens=SOAK_BUDGET), api_key=KEY)
+    srv, thread, url = start(app)
+    results = {"done": [], "aborted": 0, "cached": 0}
+    try:
+        warm = time.time() + min(5.0, SOAK_SECONDS / 3)
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(soak_client, url, s, time.time() + SOAK_SECONDS, want, results)
+                       for s in range(6)]
+            time.sleep(max(0.0, warm - time.time()))
+            after_warm_up = rss_mb()
+            for f in futures:
+                f.result()
+        engine = app.state.engine
+        deadline = time.time() + 10
+        while engine.num_requests and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        health = httpx.get(url + "/health").json()
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+    assert all(got == expected for got, expected in results["done"]) and results["aborted"]
+    assert health["num_running_requests"] == health["num_waiting_requests"] == health["kv_tokens_used"] == 0
+    assert health["kv_slots_free"] == health["kv_slots_total"]
+    runner = app.state.llm.runner
+    cache = runner.prefix_cache
+    assert runner.pool.num_free + len(cache.entries) == runner.pool.num_slots
+    assert cache.tokens <= SOAK_BUDGET and all(e.ready == len(e.tokens) for e in cache.entries.values())
+    assert results["cached"] > 0 and cache.evictions > 0 and health["prefix_cache_hit_tokens_total"] > 0
+    assert rss_mb() - after_warm_up < 100, (after_warm_up, rss_mb())
+    print(f"soak {SOAK_SECONDS:.0f} s: {len(results['done'])} answered, {results['aborted']} aborted, "
+          f"hit rate {cache.hit_rate:.2f}, {cache.evictions} evictions, {len(cache.entries)} entries "
+          f"({cache.tokens} tokens) left, RSS {after_warm_up:.0f} -> {rss_mb():.0f} MB")

@@ -96,6 +96,14 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--concurrency", default="1,4,8,16", help="comma-separated list")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--multi-turn", action="store_true",
+                   help="the prefix cache on two-turn conversations (mt-bench or a PATH.jsonl): turn 2 "
+                        "sent with turn 1's real answer, its time to first token with the cache and "
+                        "without, interleaved (--concurrency is not used)")
+    p.add_argument("--shared-prefix", type=int, default=None, metavar="N",
+                   help="the prefix cache on one system prompt of N tokens before each of the dataset's "
+                        "--num-prompts shortest questions: throughput, median TTFT and hit rate with the "
+                        "cache and without, at each --concurrency")
     p.add_argument("--json", default=None, help="write the report here")
     add_serving_args(p, default_running=0)  # 0: as many slots as the highest concurrency
     add_model_args(p)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from blockspec.engine.prefix_cache import Entry, Prefix, common_prefix
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
@@ -94,7 +96,7 @@ class PrefixReuse:
         if match.source is not None:
             if isinstance(match.source, Entry):
                 self.cache.touch(match.source)
-            self.runner.reuse(seq, match.source, match.length, self.speculative)
+            self.copy(seq, match.source, match.length)
         if match.wait:
             self.awaiting.add(seq.seq_id)
         else:
@@ -104,9 +106,29 @@ class PrefixReuse:
         """A finished request's slot: kept as a cache entry, or freed."""
         self.awaiting.discard(seq.seq_id)
         if self.enabled and seq.finish_reason != "error" and seq.slot >= 0:
-            self.runner.retain(seq, self.held(seq))
+            self.cache.insert(self.held(seq))
+            seq.slot = -1
+            seq.unfed_features.clear()
         else:
             self.runner.release(seq)
+
+    @torch.inference_mode()
+    def copy(self, seq: Sequence, source: Prefix, end: int) -> None:
+        """Give a request rows seq.num_cached..end-1 of `source`: copied into its slot (unless it holds the
+        source's slot), the target's and, for DFlash, the draft's; the draft context the source lacks comes
+        as a backlog of features, fed at once (the request's prefill goes on injecting from `end`)."""
+        runner, start = self.runner, seq.num_cached
+        if source.slot != seq.slot:
+            runner.target_cache.copy(source.slot, seq.slot, start, end)
+            if self.speculative and start < min(end, source.draft_ready):
+                runner.draft_cache.copy(source.slot, seq.slot, start, min(end, source.draft_ready))
+        seq.num_cached = end
+        seq.cached_tokens += end - start
+        self.cache.hit_tokens += end - start
+        if self.speculative and end > source.draft_ready:
+            first = max(start, source.draft_ready) - source.draft_ready
+            seq.unfed_features += source.features[first : end - source.draft_ready]
+            runner.feed_draft([seq])  # the backlog ends at num_cached
 
     def sources(self, seq: Sequence, running: list[Sequence]) -> list[Source]:
         """What a request may reuse: cache entries (first: taking one over copies nothing), then the other

@@ -14,7 +14,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from blockspec.engine.prefix_cache import Entry, Prefix, PrefixCache
+from blockspec.engine.prefix_cache import Entry, PrefixCache
 from blockspec.engine.sampler import next_token
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.slots import SlotPool
@@ -114,31 +114,6 @@ class ModelRunner:
             self.pool.free(seq.slot)
             seq.slot = -1
         seq.unfed_features.clear()  # its draft cache is gone; a resumed request is prefilled again
-
-    def retain(self, seq: Sequence, held: Prefix) -> None:
-        """A finished request's slot becomes a prefix-cache entry holding `held` (its rows and features)."""
-        self.prefix_cache.insert(held)
-        seq.slot = -1
-        seq.unfed_features.clear()
-
-    @torch.inference_mode()
-    def reuse(self, seq: Sequence, source: Prefix, end: int, speculative: bool) -> None:
-        """Give the sequence rows seq.num_cached..end-1 of `source`: copied into its slot (unless it holds the
-        source's slot), target and (DFlash) draft, the draft's missing context as its backlog of features,
-        which is fed at once (its prefill goes on injecting from `end`)."""
-        start = seq.num_cached
-        if source.slot != seq.slot:
-            self.target_cache.copy(source.slot, seq.slot, start, end)
-            if speculative and start < min(end, source.draft_ready):
-                self.draft_cache.copy(source.slot, seq.slot, start, min(end, source.draft_ready))
-        if speculative and end > source.draft_ready:
-            first = max(start, source.draft_ready) - source.draft_ready
-            seq.unfed_features += source.features[first : end - source.draft_ready]
-        seq.num_cached = end
-        self.prefix_cache.hit_tokens += end - start
-        seq.cached_tokens += end - start
-        if speculative and seq.unfed_features:
-            self.feed_draft([seq])
 
     @torch.inference_mode()
     def compact(self, seqs: list[Sequence]) -> None:

@@ -2,7 +2,8 @@
 
 Policy (one step = `Scheduler.step`):
 
-1. Retire: finished or aborted requests give their slot back at once.
+1. Retire: finished or aborted requests give their slot back at once (with prefix caching, as a cache
+   entry that keeps its K/V: engine/prefix_cache.py).
 2. Make room: the KV budget is counted in tokens, one token = one row in the target cache *and* one
    in the draft cache (they share the slot space), so one budget covers both. A running request
    holds `num_cached + width` tokens, where width is the rows its next step may write (the decoder's
@@ -13,10 +14,14 @@ Policy (one step = `Scheduler.step`):
    goes back to the *front* of the queue. It keeps every token it has generated; when readmitted it
    recomputes the KV of prompt + output[:-1] (`ModelRunner.prefill`) and resumes from its pending token,
    so nothing is lost, re-sampled or emitted twice. The oldest request is never preempted for a
-   younger one, so every request finishes (no livelock).
+   younger one, so every request finishes (no livelock). Prefix-cache entries count against the budget
+   too and go first (least recently used), before any request is preempted.
 3. Admit: first come, first served, while a slot is free (`--max-running-requests` slots) and the
    head of the queue fits in the budget; a request that does not fit blocks those behind it
-   (no overtaking, so long prompts are not starved).
+   (no overtaking, so long prompts are not starved). A cache entry's slot counts as free (it is
+   evicted for the request), so the cache never holds a request back. An admitted request reuses the
+   longest prefix of its ids an entry or a running request holds (engine/prefix_reuse.py) and
+   prefills only the rest.
 4. Prefill: up to `prefill_tokens_per_step` prompt tokens per step, split into chunks across the
    requests being prefilled (oldest first); rows of similar chunk length share one padded forward.
    A long prompt thus takes several steps while the others keep decoding. Fairly: while requests
@@ -25,9 +30,11 @@ Policy (one step = `Scheduler.step`):
    over its context (at least MIN_PREFILL_CHUNK), so a long prompt's arrival delays the running streams
    by about two decode steps per step, not by a whole prompt's compute.
    (Padding rows are scratch inside the slab, like a rejected draft tail, and are not counted against
-   the budget.)
+   the budget.) A request whose prefix an older request is prefilling waits for it and copies its rows
+   as they come, so requests with one system prompt compute it once.
 5. Compact: requests that finished at prefill leave, and running requests above a freed slot move
-   down into it (`ModelRunner.compact`, one copy of their K/V), so the decode batch, in slot order,
+   down into it (`ModelRunner.compact`, one copy of their K/V; a cache entry in the way trades places
+   with them), so the decode batch, in slot order,
    is a contiguous slot range whose K/V every layer reads as a view instead of a gather.
 6. Decode: one step of the decoder (blockspec/speculative/decoder.py: a batched draft forward and one
    batched target verify, or a plain decode forward) for every request past prefill, including those
@@ -218,9 +225,9 @@ class Scheduler:
             if in_use + need > self.max_total_tokens:
                 break
             self.waiting.popleft()
-            self.reuse.place(seq, ids, self.running)
             self._prefill_ids[seq.seq_id] = ids
-            self.running.append(seq)
+            self.running.append(seq)  # first: should placing it fail, the step's failure handling sees it
+            self.reuse.place(seq, ids, self.running)
             in_use += need
             self.cache.trim(self.max_total_tokens - in_use)
 
