@@ -108,8 +108,9 @@ class PrefixCache:
                 return
             if shared == entry.ready and prefix.usable(shared, True) >= entry.usable(shared, True):
                 self._drop(entry)
-        entry = Entry(prefix.slot, prefix.tokens[: prefix.ready], prefix.ready, prefix.draft_ready,
-                      prefix.features)
+        # The features are views of whole verify passes' outputs: one compact copy keeps only these rows.
+        features = list(torch.stack(prefix.features).unbind(0)) if prefix.features else []
+        entry = Entry(prefix.slot, prefix.tokens[: prefix.ready], prefix.ready, prefix.draft_ready, features)
         self.entries[entry.slot] = entry
         self.touch(entry)
 
