@@ -268,3 +268,19 @@ def test_soak_under_cache_pressure(folders, reference):
     print(f"soak {SOAK_SECONDS:.0f} s: {len(results['done'])} answered, {results['aborted']} aborted, "
           f"hit rate {cache.hit_rate:.2f}, {cache.evictions} evictions, {len(cache.entries)} entries "
           f"({cache.tokens} tokens) left, RSS {after_warm_up:.0f} -> {rss_mb():.0f} MB")
+
+
+def test_hits_on_the_gpu_stand_in(folders):
+    """The cache's copies, swaps and fed-back features keep to the device (tests/fake_gpu.py); dense fp32
+    weights there, as on a GPU."""
+    from tests.fake_gpu import FAKE_GPU, fake_gpu
+
+    params = SamplingParams(max_tokens=20, temperature=0.9, seed=5)
+    cpu = make_llm(folders, quantization="none", prefix_caching=False)
+    want = [o.token_ids for o in chat_turns(cpu, params)]
+    with fake_gpu():
+        gpu = make_llm(folders, device=FAKE_GPU, quantization="none")
+        got = chat_turns(gpu, params)
+        again = chat_turns(gpu, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in again] == want
+    assert got[1].cached_tokens > got[0].num_prompt_tokens and again[0].cached_tokens > 0

@@ -19,7 +19,7 @@ eviction touches; a request copying from another reads rows that never change wh
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
