@@ -161,6 +161,24 @@ def test_requests_arriving_together_compute_their_prefix_once(models, use_draft,
 
 
 @pytest.mark.parametrize("use_draft", [True, False])
+def test_a_waiting_request_prefills_in_the_step_its_prefix_is_done(models, use_draft):
+    """Waiting never costs a request a step: when the request ahead of it finishes the shared prefix, it
+    copies the rows and prefills its own part with what the step has left, in that same step."""
+    engine = make(models)
+    scheduler = engine.scheduler(use_draft, prefill_tokens_per_step=64)
+    short, long = (Sequence(p, GREEDY, frozenset()) for p in (STEM[:20], STEM[:20] + STEM[5:35]))
+    scheduler.add(short)
+    scheduler.add(long)
+    scheduler.step()
+    assert long.cached_tokens == 20 and len(long.output_ids) >= 1  # 20 + 30 tokens would not fit alone
+    while scheduler.has_work:
+        scheduler.step()
+    assert long.output_ids == uncached(engine, long.prompt_ids, GREEDY, use_draft)
+    assert short.output_ids == uncached(engine, short.prompt_ids, GREEDY, use_draft)
+    assert_consistent(engine)
+
+
+@pytest.mark.parametrize("use_draft", [True, False])
 def test_waiting_on_an_aborted_owner_falls_back(models, use_draft):
     engine = make(models)
     scheduler = engine.scheduler(use_draft, prefill_tokens_per_step=16)

@@ -232,19 +232,29 @@ class Scheduler:
             self.cache.trim(self.max_total_tokens - in_use)
 
     def _prefill(self) -> list[Sequence]:
-        """Run this step's share of prefill; sequences whose prefill ends get their first token."""
+        """Run this step's share of prefill; sequences whose prefill ends get their first token. A request
+        waiting on an older one that prefills its prefix copies the rows as they come; once it has them
+        it prefills the rest with what the step's share has left, in a second pass of the same step."""
         left = self.prefill_allowance()
-        rows: list[tuple[Sequence, list[int]]] = []
-        prefilling = (s for s in self.running if s.seq_id in self._prefill_ids)
-        for seq in sorted(prefilling, key=prefill_order):
-            if self.reuse.pull(seq, self.running):
-                continue  # the request ahead of it computes its prefix: it copies the rows next step
-            if left <= 0:
-                continue
-            ids = self._prefill_ids[seq.seq_id]
-            chunk = ids[seq.num_cached : seq.num_cached + left]
-            rows.append((seq, chunk))
-            left -= len(chunk)
+        ran: list[Sequence] = []
+        pending = sorted((s for s in self.running if s.seq_id in self._prefill_ids), key=prefill_order)
+        while pending:
+            rows: list[tuple[Sequence, list[int]]] = []
+            waiting = []
+            for seq in pending:
+                if self.reuse.pull(seq, self.running):
+                    waiting.append(seq)
+                elif left > 0:
+                    ids = self._prefill_ids[seq.seq_id]
+                    chunk = ids[seq.num_cached : seq.num_cached + left]
+                    rows.append((seq, chunk))
+                    left -= len(chunk)
+            self._run_prefill(rows)
+            ran += [s for s, _ in rows]
+            pending = waiting if rows and left > 0 else []
+        return ran
+
+    def _run_prefill(self, rows: list[tuple[Sequence, list[int]]]) -> None:
         for group in self._groups(rows):
             seqs, chunks = [s for s, _ in group], [c for _, c in group]
             hidden = self.runner.prefill(seqs, chunks, capture=self.decoder.speculative)
@@ -255,7 +265,6 @@ class Scheduler:
                 self.runner.first_tokens([seqs[i] for i in fresh], hidden[fresh])
             for i in done:
                 del self._prefill_ids[seqs[i].seq_id]
-        return [s for s, _ in rows]
 
     def prefill_allowance(self) -> int:
         """Prompt tokens this step may prefill: its share of the step's budget beside the decoding rows."""
