@@ -66,6 +66,7 @@ class EngineConfig:
     # the cores shared out among this machine's ranks)
     tp_size: int = 1  # tensor-parallel ranks (blockspec/distributed.py)
     tp_backend: str = "auto"  # torch.distributed backend: auto (gloo on the CPU, NCCL on CUDA), gloo, nccl
+    prefix_caching: bool = True  # reuse computed prefixes, target and draft (engine/prefix_cache.py)
 
     def __post_init__(self) -> None:
         import torch
@@ -91,6 +92,8 @@ class EngineConfig:
         if self.cpu_activations not in CPU_ACTIVATIONS:
             raise BlockspecError(f"cpu_activations={self.cpu_activations!r} (--cpu-activations) is not "
                                  f"supported; use one of {', '.join(CPU_ACTIVATIONS)}.")
+        if not isinstance(self.prefix_caching, bool):
+            raise BlockspecError(f"prefix_caching={self.prefix_caching!r} must be True or False.")
         if not isinstance(self.adaptive_speculation, bool):
             raise BlockspecError(f"adaptive_speculation={self.adaptive_speculation!r} must be True or "
                                  f"False.")
@@ -221,6 +224,11 @@ def add_serving_args(p: argparse.ArgumentParser, default_running: int) -> None:
                         "row in both); when running requests outgrow it the youngest is preempted and "
                         "recomputed later (default: every slot can hold a full-context request, so nothing "
                         "is ever preempted)")
+    g.add_argument("--disable-prefix-caching", "--disable-radix-cache", dest="prefix_caching",
+                   action="store_false",
+                   help="do not keep computed prompt prefixes for later requests (default: kept: a request "
+                        "starting with tokens a finished or running request computed reuses their K/V, "
+                        "target and draft, and prefills only the rest; the output is the same either way)")
     g.add_argument("--prefill-tokens-per-step", type=int, default=None,
                    help="prompt tokens prefilled per engine step (default 512)")
     g.add_argument("--prefill-decode-ratio", type=float, default=None, metavar="R",

@@ -47,6 +47,7 @@ class RequestOutput:
     stats: RequestStats
     # Per output token: (where it came from: "draft", "lookup" or "target"; the step that committed it)
     token_sources: list[tuple[str, int]] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not prefilled)
 
     @property
     def accept_lengths(self) -> list[int]:
@@ -156,7 +157,8 @@ class LLM:
             if model is not None:
                 model.rotary.ensure(slab_len)
         self.runner = ModelRunner(self.target, self.draft, cfg.max_num_seqs, slab_len,
-                                  self.speculation.row_counts if self.speculation else ())
+                                  self.speculation.row_counts if self.speculation else (),
+                                  prefix_caching=cfg.prefix_caching)
         self.decoders = {"NONE": Decoder(self.runner)}
         if self.speculation is not None:
             governor = SpecGovernor() if cfg.adaptive_speculation else None
@@ -200,8 +202,17 @@ class LLM:
         if self.mirror is not None and self.tp.rank == 0:
             self.mirror.record(name, value)
 
-    def scheduler(self, speculative_algorithm: str | None = None) -> Scheduler:
-        """A continuous-batching scheduler over this LLM's engine, decoding with DFlash or plainly."""
+    def clear_prefix_cache(self) -> None:
+        """Forget every computed prefix the cache holds (a cold start)."""
+        self.runner.prefix_cache.clear()
+        if self.mirror is not None and self.tp.rank == 0:
+            self.mirror.record("clear_prefix_cache")
+
+    def scheduler(self, speculative_algorithm: str | None = None,
+                  prefix_caching: bool | None = None) -> Scheduler:
+        """A continuous-batching scheduler over this LLM's engine, decoding with DFlash or plainly;
+        `prefix_caching` False: it neither reuses nor keeps computed prefixes (None: the LLM's setting).
+        Every scheduler shares the LLM's prefix cache: prefixes carry over from call to call."""
         if self.__dict__.get("_closed"):
             raise BlockspecError("This tensor-parallel LLM was closed (its ranks stopped); build a new one.")
         algorithm = (speculative_algorithm or self.speculative_algorithm).upper()
@@ -214,9 +225,10 @@ class LLM:
         if self.mirror is not None and self.tp.rank == 0:  # the other ranks make its twin
             self._schedulers += 1
             mirror = (self.mirror, self._schedulers)
-            self.mirror.record("scheduler", self._schedulers, algorithm)
+            self.mirror.record("scheduler", self._schedulers, algorithm, prefix_caching)
         return Scheduler(self.runner, self.decoders[algorithm], self.config.max_total_tokens,
-                         self.config.prefill_tokens_per_step, self.config.prefill_decode_ratio, mirror)
+                         self.config.prefill_tokens_per_step, self.config.prefill_decode_ratio, mirror,
+                         prefix_caching)
 
     def sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """A request, its prompt checked against the vocabulary and the context length."""
@@ -280,4 +292,5 @@ class LLM:
             decode_time_s=seq.finish_time - seq.first_token_time,
             stats=seq.stats,
             token_sources=seq.token_sources,
+            cached_tokens=min(seq.cached_tokens, len(seq.prompt_ids)),
         )

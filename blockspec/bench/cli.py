@@ -96,6 +96,14 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--concurrency", default="1,4,8,16", help="comma-separated list")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--multi-turn", action="store_true",
+                   help="the prefix cache on two-turn conversations (mt-bench or a PATH.jsonl): turn 2 "
+                        "sent with turn 1's real answer, its time to first token with the cache and "
+                        "without, interleaved (--concurrency is not used)")
+    p.add_argument("--shared-prefix", type=int, default=None, metavar="N",
+                   help="the prefix cache on one system prompt of N tokens before each of the dataset's "
+                        "--num-prompts shortest questions: throughput, median TTFT and hit rate with the "
+                        "cache and without, at each --concurrency")
     p.add_argument("--json", default=None, help="write the report here")
     add_serving_args(p, default_running=0)  # 0: as many slots as the highest concurrency
     add_model_args(p)
@@ -133,7 +141,9 @@ def run_bench_command(args: argparse.Namespace) -> None:
                                  "the budgets at one --block-size.")
         args.speculative_tree_budget = max(args.sweep_tree_budgets)  # slabs sized for the largest tree
 
-    llm = LLM(EngineConfig.from_args(args, max_num_seqs=1))
+    # No prefix cache: the methods run the same prompts back to back, and the later one would be handed the
+    # earlier one's prefill (bench-serving --multi-turn / --shared-prefix measure the cache).
+    llm = LLM(EngineConfig.from_args(args, max_num_seqs=1, prefix_caching=False))
     has_draft = llm.draft is not None
     if not has_draft:
         if args.baseline == "none" or args.sweep_block_sizes or args.sweep_tree_budgets or args.plot:

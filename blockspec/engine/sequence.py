@@ -35,6 +35,8 @@ class Sequence:
     # captured but did not yet inject into the draft's cache: injected in one pass when it next drafts.
     unfed_features: list[torch.Tensor] = field(default_factory=list)
     num_cached: int = 0
+    # Tokens of its current admission's prefill whose K/V came from the prefix cache (engine/prefix_cache.py)
+    cached_tokens: int = 0
     finish_reason: str | None = None
     # The key of the request's draws (sampler.draw): its seed, or one drawn from torch's global generator
     # (reproducible under --seed) when it has none.

@@ -231,7 +231,8 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
                                        [choice(chat, "", out.finish_reason, True)], blockspec=final(out)))
                     if parsed.include_usage:
                         yield sse(envelope(chat, True, rid, created, model_name, [],
-                                           usage=usage(len(seq.prompt_ids), out.num_output_tokens)))
+                                           usage=usage(len(seq.prompt_ids), out.num_output_tokens,
+                                                       seq.cached_tokens)))
                     break
             yield "data: [DONE]\n\n"
         finally:
@@ -269,7 +270,8 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
                     reply = token_sources.attach(choice(chat, "".join(pieces), out.finish_reason, False),
                                                  tokens)
                     body = envelope(chat, False, rid, created, model_name, [reply],
-                                    usage=usage(len(seq.prompt_ids), out.num_output_tokens),
+                                    usage=usage(len(seq.prompt_ids), out.num_output_tokens,
+                                                seq.cached_tokens),
                                     blockspec=final(out))
                     return JSONResponse(body)
         finally:

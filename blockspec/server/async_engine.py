@@ -258,11 +258,18 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         s = self.scheduler
-        pool = s.runner.pool
+        runner, cache = s.runner, s.runner.prefix_cache
         self.snapshot = {
             "num_running_requests": len(s.running), "num_waiting_requests": len(s.waiting),
             "kv_tokens_used": s.tokens_in_use, "kv_tokens_budget": s.max_total_tokens,
-            "kv_slots_free": pool.num_free, "kv_slots_total": pool.num_slots,
+            # free for a request: unused slots and prefix-cache entries' (evicted for it)
+            "kv_slots_free": runner.slots_available, "kv_slots_total": runner.pool.num_slots,
             "preemptions_total": s.num_preemptions,
+            "prefix_cache_hit_tokens_total": cache.hit_tokens,
+            "prefix_cache_miss_tokens_total": cache.miss_tokens,
+            "prefix_cache_hit_rate": round(cache.hit_rate, 6),
+            "prefix_cache_evictions_total": cache.evictions,
+            "prefix_cache_entries": len(cache.entries), "prefix_cache_tokens": cache.tokens,
+            "prefix_cache_bytes": cache.nbytes,
         }
         self.metrics.set_gauges(**self.snapshot)

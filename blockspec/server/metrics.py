@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from blockspec.engine.stats import RequestStats
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-COUNTER_GAUGES = {"preemptions_total"}  # engine counters published through the snapshot
+# engine counters published through the snapshot
+COUNTER_GAUGES = {"preemptions_total", "prefix_cache_hit_tokens_total", "prefix_cache_miss_tokens_total",
+                  "prefix_cache_evictions_total"}
 TTFT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 

@@ -241,9 +241,11 @@ def extension(stats: RequestStats, algorithm: str, block_size: int) -> dict:
     return {"speculative_algorithm": algorithm, "block_size": block_size, **stats.summary()}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage; cached_tokens: the prompt tokens the prefix cache held (a part of prompt_tokens)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": min(cached_tokens, prompt_tokens)}}
 
 
 def choice(chat: bool, text: str, finish_reason: str | None, stream: bool) -> dict:
