@@ -3,8 +3,9 @@ int8 and fp32 activations side by side: the layer stack alone, and with the gree
 verify pass: the target's choice at each verified position).
 
 Usage: PYTHONPATH=. python scripts/block_rows_bench.py [--threads 2] [--rows 1,2,5,9,17,33,64] [--rounds 15]
-Batch 1 at position 300 (a typical context), features captured as in a DFlash step; the forms alternate
-call by call; medians of the rounds after the first three.
+Batch 1 at position 300 (a typical context), features captured as in a DFlash step; each round times every
+row count in one form, then in the other (a form's weights then come from cache as in a run of steps, not
+from memory after the other form's); medians of the rounds after the first three.
 """
 
 import argparse
@@ -44,9 +45,10 @@ def main() -> None:
         for target, cache in targets.values():
             target(ForwardBatch.in_cache(cache, [0], [0], torch.randint(0, 1000, (1, POSITION))))
         for _ in range(args.rounds):
-            for rows in rows_list:
-                ids = torch.randint(0, 1000, (1, rows))
-                for form, (target, cache) in targets.items():
+            for form, (target, cache) in targets.items():
+                for rows in rows_list:
+                    ids = torch.randint(0, 1000, (1, rows))
+                    target(ForwardBatch.in_cache(cache, [0], [POSITION], ids), CAPTURE)  # warm
                     start = time.perf_counter()
                     hidden, _ = target(ForwardBatch.in_cache(cache, [0], [POSITION], ids), CAPTURE)
                     middle = time.perf_counter()

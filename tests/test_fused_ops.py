@@ -173,3 +173,28 @@ def test_layer_stack_op_equals_the_python_layers_bitwise(tmp_path, activations):
         target.__dict__["_block_stack"] = None  # the Python layers, same fused ops
         layered = run()
     assert torch.equal(stacked[0], layered[0]) and torch.equal(stacked[1], layered[1])
+
+
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_a_prompt_is_the_same_bits_in_any_chunking(tmp_path, activations):
+    """Prefill is chunk-invariant: a 40-token prompt in one chunk, in chunks of 16 + 24, beside another
+    sequence, or token by token leaves the same K/V bits in the cache and the same last hidden state (what
+    makes a prefix-cache hit, a batched request and a request alone give the same tokens)."""
+    target = block_target(tmp_path, "q4_1", activations)
+    tokens = torch.randint(3, target.config.vocab_size, (2, 40), generator=gen(7))
+
+    def prefill(chunks: list[int], batched: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cache = KVCache.for_model(target, 2, 48)
+        start = 0
+        for size in chunks:
+            rows = slice(0, 2) if batched else slice(0, 1)
+            hidden, _ = target(ForwardBatch.in_cache(cache, [0, 1][rows], [start, start][rows],
+                                                     tokens[rows, start : start + size]))
+            start += size
+        return hidden[0, -1], cache.k_layers[-1][0, :, :40].clone(), cache.v_layers[-1][0, :, :40].clone()
+
+    with torch.inference_mode():
+        want = prefill([40], False)
+        for chunks, batched in (([16, 24], False), ([40], True), ([1] * 40, False), ([5, 35], True)):
+            got = prefill(chunks, batched)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (chunks, batched)

@@ -4,12 +4,9 @@ hits that end mid-block, a prefix whose owner is still prefilling or decoding, a
 prefix of a cached one, eviction under pressure; every slot, row and entry comes back; the LLM keeps
 prefixes from call to call.
 
-Exactness rests on the CPU kernels being batch-invariant: a token's K/V rows are the same bits whether a
-long prefill chunk or a decode step computed them. A prefill chunk of more than MAX_FUSED_QUERIES new
-tokens per row takes torch's SDPA instead of the fused attention, whose sums differ in the last bits, so
-these tests raise the limit (`fused_prefill`): every chunk takes the fused attention. The target holds its
-weights as Q4_1 blocks (the block kernel's sums are fixed whatever the row count), as the embedded model
-does."""
+Exactness rests on the CPU kernels being batch- and chunk-invariant: a token's K/V rows are the same bits
+whether a long prefill chunk or a decode step computed them. The target holds its weights as Q4_1 blocks
+(the block kernel's sums are fixed whatever the row count), as the embedded model does."""
 
 from __future__ import annotations
 
@@ -18,7 +15,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import blockspec.layers.fused as fused
 from blockspec.engine.prefix_cache import common_prefix
 from blockspec.engine.scheduler import Scheduler, run_to_completion
 from blockspec.engine.sequence import Sequence
@@ -33,13 +29,6 @@ STEM = [3, 10, 20, 30, 40, 50, 60, 70, 80, 90, 11, 21, 31, 41, 51, 61, 71, 81, 9
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True)
 EXACTNESS = [(True, GREEDY), (True, SAMPLED), (False, GREEDY), (False, SAMPLED)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fused_prefill():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fused, "MAX_FUSED_QUERIES", 1 << 30)
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,7 @@
 """The prefix cache seen from outside: `LLM` reuses prefixes from call to call (chat turns, repeated
 prompts) with the tokens it gives without the cache, also at TP=2; the server reports
 `usage.prompt_tokens_details.cached_tokens` (streamed usage too) and Prometheus counters; the flags turn it
-off. Tiny random target (its linear layers as Q4_1 blocks) + draft + 97-token character tokenizer.
-
-Prefill chunks are kept to 16 tokens here (`prefill_tokens_per_step=16`), within the fused attention's
-reach on every rank, so recomputed and reused K/V are the same bits without raising MAX_FUSED_QUERIES
-(which spawned tensor-parallel ranks would not see)."""
+off. Tiny random target (its linear layers as Q4_1 blocks) + draft + 97-token character tokenizer."""
 
 from __future__ import annotations
 
@@ -38,7 +34,7 @@ def folders(tmp_path_factory) -> dict:
 
 def make_llm(folders, **settings) -> LLM:
     return LLM(**{**dict(model_path=folders["target"], draft_model_path=folders["draft"], device="cpu",
-                         quantization="q4_1", max_model_len=384, prefill_tokens_per_step=16,
+                         quantization="q4_1", max_model_len=384,
                          adaptive_speculation=False), **settings})
 
 

@@ -8,9 +8,8 @@ draft was not fed yet (`Sequence.unfed_features`). A request is admitted with th
 shares with an entry or with a running request (engine/prefix_reuse.py): it takes the entry's slot over
 (no copy), or has the shared rows copied into its own slot, target and draft alike, and prefills only the
 rest. So a hit costs neither the target's prefill nor the draft's injection of the shared part. The CPU
-kernels being batch-invariant, a hit holds the very K/V a miss computes, so the output is the same, bit
-for bit, wherever prefill runs the fused attention (chunks of up to `MAX_FUSED_QUERIES` new tokens per
-row; SDPA's longer chunks differ in the last bits).
+kernels being batch- and chunk-invariant (a token's K/V are the same bits whichever prefill chunk or decode
+step computed them), a hit holds the very K/V a miss computes, so the output is the same, bit for bit.
 
 Entries hold slots no request holds and count against the KV token budget; whenever a request needs a
 slot or budget, they go least recently used first (`evict_lru`), so the cache never makes a request

@@ -215,7 +215,20 @@ void attend_queries(const AttentionArgs& a, const float* k, const float* v, Scra
       const int64_t qb = std::min(qa + 1, nq - 1);
       const int64_t la = w.queries[qa].limit, lb = w.queries[qb].limit;
       const int64_t end = std::min(t1, std::max(la, lb));
-      for (int64_t j = t0; j < end; j += 4) {
+      float* rows[2] = {w.scores.data() + qa * width, w.scores.data() + qb * width};
+      int64_t j = t0;
+      // Whole quads inside both queries' limits: scores straight into their rows.
+      for (; j + 4 <= std::min(end, std::min(la, lb)); j += 4) {
+#ifdef BLOCKSPEC_X86
+        if (fast)
+          score_tile_avx2(w.queries[qa].q, w.queries[qb].q, k + j * stride, stride, d, a.scale, rows[0] + j,
+                          rows[1] + j);
+        else
+#endif
+          score_tile_portable(w.queries[qa].q, w.queries[qb].q, k + j * stride, stride, d, a.scale,
+                              rows[0] + j, rows[1] + j);
+      }
+      for (; j < end; j += 4) {
         const float* kj = k + j * stride;
         int64_t kstride = stride;
         if (j + 4 > end) {
@@ -256,8 +269,11 @@ void attend_queries(const AttentionArgs& a, const float* k, const float* v, Scra
     for (int64_t i = 0; i < nq; ++i) {
       const std::vector<int64_t>& keys = w.keys[i];
       const int64_t* index = keys.empty() ? nullptr : keys.data();
-      int64_t j1 = w.cursor[i];
-      while (j1 < w.counts[i] && (index != nullptr ? index[j1] : j1) < t1) ++j1;
+      int64_t j1 = std::min(w.counts[i], t1);  // a prefix: keys t0.. are positions t0..
+      if (index != nullptr) {
+        j1 = w.cursor[i];
+        while (j1 < w.counts[i] && index[j1] < t1) ++j1;
+      }
       if (j1 == w.cursor[i]) continue;
       accumulate(fast, w.acc.data() + i * d, w.scores.data() + i * width, index, w.cursor[i], j1, v, a.vs[2], d);
       w.cursor[i] = j1;

@@ -15,7 +15,7 @@ from torch import nn
 from blockspec.layers.attention import Attention
 from blockspec.layers.embedding import Embedding, LMHead
 from blockspec.layers.forward_batch import ForwardBatch
-from blockspec.layers.fused import fused_attention_fits, fused_ops
+from blockspec.layers.fused import fused_ops
 from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import Rope, Rotary, rotate
@@ -116,7 +116,7 @@ class CausalLM(nn.Module):
         first is 0). Training's distillation runs a target's top layers on captured features this way."""
         rope = self.rotary.table(batch.positions, self.dtype)
         last = len(self.layers) - 1
-        ops = fused_ops(x) if batch.cache is not None and fused_attention_fits(batch) else None
+        ops = fused_ops(x) if batch.cache is not None else None
         if ops is not None and self.block_stack() is not None:
             x, *outputs = self.run_block_stack(ops, x, batch, rope, first, capture)
             captured = dict(zip(capture, outputs))
