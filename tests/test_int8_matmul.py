@@ -11,7 +11,7 @@ import torch
 from blockspec.layers.quant import QUANT_TYPES, kernels, quantize
 
 OPS = kernels()
-VARIANTS = list(range(1, OPS.int8_variant() + 1))  # 1 portable, 2 AVX2, 3 VNNI: those this CPU has
+VARIANTS = list(OPS.int8_variants())  # 1 portable, 2 AVX2, 3 AVX-VNNI, 4 AVX512-VNNI: those this CPU has
 TYPES = ["q4_0", "q4_1", "q8_0"]
 
 

@@ -188,6 +188,7 @@ void group_portable(int64_t qtype, const uint8_t* panel, int64_t blocks, const A
 
 #ifdef BLOCKSPEC_X86
 #define VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define VNNI512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 
 // A tile: G consecutive groups of 8 outputs (panels `stride` bytes apart) times R activation rows. Several
 // groups per tile give one activation row independent accumulation chains (a block's dpbusd chain is its
@@ -276,48 +277,55 @@ AVX2_F16C __attribute__((always_inline)) inline void block_dots_avx2(const uint8
   }
 }
 
-template <int64_t QT, int G, int R>
-VNNI __attribute__((always_inline)) inline void block_dots_vnni(const uint8_t* chunks, int64_t stride,
-                                                               const Tile<G, R>& t, int64_t b, __m256i* dot) {
-#pragma GCC unroll 16
-  for (int i = 0; i < G * R; ++i) dot[i] = _mm256_setzero_si256();
-  if constexpr (QT == kQ8_0) {
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) {
-#pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + g * stride + 32 * c));
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-          dot[g * R + r] = _mm256_dpbusd_avx_epi32(dot[g * R + r], w,
-                                                   _mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 4 * c)));
-      }
-    }
-  } else {
-    const __m256i nibble = _mm256_set1_epi8(0xF);
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-#pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + g * stride + 32 * c));
-        const __m256i lo = _mm256_and_si256(v, nibble);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          __m256i& acc = dot[g * R + r];
-          acc = _mm256_dpbusd_avx_epi32(acc, lo, _mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 4 * c)));
-          acc = _mm256_dpbusd_avx_epi32(acc, hi, _mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 16 + 4 * c)));
-        }
-      }
-    }
-  }
-  constexpr int32_t offset = QT == kQ8_0 ? 128 : QT == kQ4_0 ? 8 : 0;
-  if constexpr (offset != 0) {
-#pragma GCC unroll 16
-    for (int i = 0; i < G * R; ++i)
-      dot[i] = _mm256_sub_epi32(dot[i], _mm256_set1_epi32(offset * t.sums[i % R][b]));
-  }
+// The VNNI dots for each instruction set that has dpbusd on 256-bit registers: AVX-VNNI (VEX) and AVX512-VNNI
+// with AVX512-VL (EVEX; Ice Lake, Zen 4), each compiled for its own target.
+#define BLOCKSPEC_VNNI_DOTS(NAME, TARGET, DPBUSD) \
+template <int64_t QT, int G, int R>                                                                                \
+TARGET __attribute__((always_inline)) inline void NAME(const uint8_t* chunks, int64_t stride, const Tile<G, R>& t, \
+                                                      int64_t b, __m256i* dot) {                                   \
+_Pragma("GCC unroll 16")                                                                                           \
+  for (int i = 0; i < G * R; ++i) dot[i] = _mm256_setzero_si256();                                                 \
+  if constexpr (QT == kQ8_0) {                                                                                     \
+_Pragma("GCC unroll 8")                                                                                            \
+    for (int c = 0; c < 8; ++c) {                                                                                  \
+_Pragma("GCC unroll 4")                                                                                            \
+      for (int g = 0; g < G; ++g) {                                                                                \
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + g * stride + 32 * c));      \
+_Pragma("GCC unroll 8")                                                                                            \
+        for (int r = 0; r < R; ++r)                                                                                \
+          dot[g * R + r] = DPBUSD(dot[g * R + r], w,                                                               \
+                                                   _mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 4 * c)));          \
+      }                                                                                                            \
+    }                                                                                                              \
+  } else {                                                                                                         \
+    const __m256i nibble = _mm256_set1_epi8(0xF);                                                                  \
+_Pragma("GCC unroll 4")                                                                                            \
+    for (int c = 0; c < 4; ++c) {                                                                                  \
+_Pragma("GCC unroll 4")                                                                                            \
+      for (int g = 0; g < G; ++g) {                                                                                \
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + g * stride + 32 * c));      \
+        const __m256i lo = _mm256_and_si256(v, nibble);                                                            \
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);                                      \
+_Pragma("GCC unroll 8")                                                                                            \
+        for (int r = 0; r < R; ++r) {                                                                              \
+          __m256i& acc = dot[g * R + r];                                                                           \
+          acc = DPBUSD(acc, lo, _mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 4 * c)));                             \
+          acc = DPBUSD(acc, hi, _mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 16 + 4 * c)));                        \
+        }                                                                                                          \
+      }                                                                                                            \
+    }                                                                                                              \
+  }                                                                                                                \
+  constexpr int32_t offset = QT == kQ8_0 ? 128 : QT == kQ4_0 ? 8 : 0;                                              \
+  if constexpr (offset != 0) {                                                                                     \
+_Pragma("GCC unroll 16")                                                                                           \
+    for (int i = 0; i < G * R; ++i)                                                                                \
+      dot[i] = _mm256_sub_epi32(dot[i], _mm256_set1_epi32(offset * t.sums[i % R][b]));                             \
+  }                                                                                                                \
 }
+
+BLOCKSPEC_VNNI_DOTS(block_dots_vnni, VNNI, _mm256_dpbusd_avx_epi32)
+BLOCKSPEC_VNNI_DOTS(block_dots_vnni512, VNNI512, _mm256_dpbusd_epi32)
+#undef BLOCKSPEC_VNNI_DOTS
 
 // Per block, for each group and row: acc += float(dot) * (d_w * d_x) (and for Q4_1: acc += m_w * (d_x *
 // sum_x)), in that order.
@@ -363,7 +371,7 @@ AVX2_F16C __attribute__((always_inline)) inline void store_tile(const __m256* ac
 }
 
 // G groups from `panel` (stride bytes apart) for R rows from r0, every block; y at row r0, group 0's outputs.
-// Two copies, one per instruction set, so the AVX2 one never holds a VNNI instruction.
+// One copy per instruction set, so each holds only its own instructions.
 #define BLOCKSPEC_TILE(NAME, TARGET, DOTS)                                                                \
   template <int64_t QT, int G, int R>                                                                     \
   TARGET void NAME(const uint8_t* panel, int64_t stride, const Activations& a, int64_t r0, float* y,      \
@@ -381,6 +389,7 @@ AVX2_F16C __attribute__((always_inline)) inline void store_tile(const __m256* ac
   }
 BLOCKSPEC_TILE(tile_avx2, AVX2_F16C, block_dots_avx2)
 BLOCKSPEC_TILE(tile_vnni, VNNI, block_dots_vnni)
+BLOCKSPEC_TILE(tile_vnni512, VNNI512, block_dots_vnni512)
 #undef BLOCKSPEC_TILE
 
 // Where a tile's outputs go: y and the residual (or null), both at group g0's outputs of row 0.
@@ -392,28 +401,30 @@ struct Out {
   Out at(int64_t g) const { return {y + g * kRows, ldy, res ? res + g * kRows : nullptr, ldr}; }
 };
 
-template <int64_t QT, bool kVnniOps, int G, int R>
+template <int64_t QT, Variant V, int G, int R>
 inline void tile(const uint8_t* panel, int64_t stride, const Activations& a, int64_t r0, const Out& o,
                  int64_t outputs) {
-  if constexpr (kVnniOps)
+  if constexpr (V == kVnni)
     tile_vnni<QT, G, R>(panel, stride, a, r0, o.y, o.ldy, outputs, o.res, o.ldr);
+  else if constexpr (V == kVnni512)
+    tile_vnni512<QT, G, R>(panel, stride, a, r0, o.y, o.ldy, outputs, o.res, o.ldr);
   else
     tile_avx2<QT, G, R>(panel, stride, a, r0, o.y, o.ldy, outputs, o.res, o.ldr);
 }
 
 // Groups [g0, g1) for rows [r0, r1): one row takes 4 groups a tile, two rows 2, more rows one group in
 // tiles of up to 5 rows (the registers' limit), as even as the count allows.
-template <int64_t QT, bool kVnniOps>
+template <int64_t QT, Variant V>
 void groups_simd(const uint8_t* w, int64_t stride, int64_t n, int64_t g0, int64_t g1, const Activations& a,
                  int64_t r0, int64_t r1, const Out& out) {
   const int64_t rows = r1 - r0, full = n / kRows;  // groups below `full` have 8 outputs
   int64_t g = g0;
   if (rows == 1)
     for (; g + 4 <= std::min(g1, full); g += 4)
-      tile<QT, kVnniOps, 4, 1>(w + g * stride, stride, a, r0, out.at(g), kRows);
+      tile<QT, V, 4, 1>(w + g * stride, stride, a, r0, out.at(g), kRows);
   if (rows == 2)
     for (; g + 2 <= std::min(g1, full); g += 2)
-      tile<QT, kVnniOps, 2, 2>(w + g * stride, stride, a, r0, out.at(g), kRows);
+      tile<QT, V, 2, 2>(w + g * stride, stride, a, r0, out.at(g), kRows);
   for (; g < g1; ++g) {
     const int64_t outputs = std::min<int64_t>(kRows, n - g * kRows);
     const uint8_t* panel = w + g * stride;
@@ -422,11 +433,11 @@ void groups_simd(const uint8_t* w, int64_t stride, int64_t n, int64_t g0, int64_
     for (int64_t i = 0, r = r0; i < tiles; ++i) {
       const int64_t left = rows - (r - r0), count = (left + (tiles - i) - 1) / (tiles - i);
       switch (count) {
-        case 5: tile<QT, kVnniOps, 1, 5>(panel, stride, a, r, og, outputs); break;
-        case 4: tile<QT, kVnniOps, 1, 4>(panel, stride, a, r, og, outputs); break;
-        case 3: tile<QT, kVnniOps, 1, 3>(panel, stride, a, r, og, outputs); break;
-        case 2: tile<QT, kVnniOps, 1, 2>(panel, stride, a, r, og, outputs); break;
-        default: tile<QT, kVnniOps, 1, 1>(panel, stride, a, r, og, outputs); break;
+        case 5: tile<QT, V, 1, 5>(panel, stride, a, r, og, outputs); break;
+        case 4: tile<QT, V, 1, 4>(panel, stride, a, r, og, outputs); break;
+        case 3: tile<QT, V, 1, 3>(panel, stride, a, r, og, outputs); break;
+        case 2: tile<QT, V, 1, 2>(panel, stride, a, r, og, outputs); break;
+        default: tile<QT, V, 1, 1>(panel, stride, a, r, og, outputs); break;
       }
       r += count;
     }
@@ -453,15 +464,46 @@ bool has_vnni() {
 #endif
 }
 
+bool has_vnni512() {
+#ifdef BLOCKSPEC_X86
+  static const bool ok = has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("avx512vnni");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+bool available(Variant v) {
+  switch (v) {
+    case kPortable: return true;
+    case kAvx2: return has_avx2();
+    case kVnni: return has_vnni();
+    case kVnni512: return has_vnni512();
+    default: return false;
+  }
+}
+
 }  // namespace
 
 Variant int8_resolve(int64_t requested) {
-  const Variant best = has_vnni() ? kVnni : has_avx2() ? kAvx2 : kPortable;
-  if (requested == kAuto) return best;
-  TORCH_CHECK(requested >= kPortable && requested <= best, "blockspec int8 matmul: variant ", requested,
-              " is not available on this CPU (best: ", static_cast<int64_t>(best), ")");
+  if (requested == kAuto) return has_vnni() ? kVnni : has_vnni512() ? kVnni512 : has_avx2() ? kAvx2 : kPortable;
+  TORCH_CHECK(available(static_cast<Variant>(requested)), "blockspec int8 matmul: variant ", requested,
+              " is not available on this CPU (see int8_variants)");
   return static_cast<Variant>(requested);
 }
+
+#ifdef BLOCKSPEC_X86
+template <Variant V>
+void groups_of(int64_t qtype, const uint8_t* w, int64_t stride, int64_t n, int64_t g0, int64_t g1,
+               const Activations& a, int64_t r0, int64_t r1, const Out& out) {
+  switch (qtype) {
+    case kQ4_0: return groups_simd<kQ4_0, V>(w, stride, n, g0, g1, a, r0, r1, out);
+    case kQ4_1: return groups_simd<kQ4_1, V>(w, stride, n, g0, g1, a, r0, r1, out);
+    case kQ8_0: return groups_simd<kQ8_0, V>(w, stride, n, g0, g1, a, r0, r1, out);
+  }
+}
+#endif
 
 void int8_groups(int64_t qtype, Variant v, const uint8_t* w, int64_t n, int64_t g0, int64_t g1,
                  const Activations& a, int64_t r0, int64_t r1, float* y, int64_t ldy, const float* res,
@@ -469,20 +511,9 @@ void int8_groups(int64_t qtype, Variant v, const uint8_t* w, int64_t n, int64_t 
   const int64_t stride = a.blocks * record_bytes(qtype);
   const Out out{y, ldy, res, ldr};
 #ifdef BLOCKSPEC_X86
-  if (v == kVnni) {
-    switch (qtype) {
-      case kQ4_0: return groups_simd<kQ4_0, true>(w, stride, n, g0, g1, a, r0, r1, out);
-      case kQ4_1: return groups_simd<kQ4_1, true>(w, stride, n, g0, g1, a, r0, r1, out);
-      case kQ8_0: return groups_simd<kQ8_0, true>(w, stride, n, g0, g1, a, r0, r1, out);
-    }
-  }
-  if (v == kAvx2) {
-    switch (qtype) {
-      case kQ4_0: return groups_simd<kQ4_0, false>(w, stride, n, g0, g1, a, r0, r1, out);
-      case kQ4_1: return groups_simd<kQ4_1, false>(w, stride, n, g0, g1, a, r0, r1, out);
-      case kQ8_0: return groups_simd<kQ8_0, false>(w, stride, n, g0, g1, a, r0, r1, out);
-    }
-  }
+  if (v == kVnni) return groups_of<kVnni>(qtype, w, stride, n, g0, g1, a, r0, r1, out);
+  if (v == kVnni512) return groups_of<kVnni512>(qtype, w, stride, n, g0, g1, a, r0, r1, out);
+  if (v == kAvx2) return groups_of<kAvx2>(qtype, w, stride, n, g0, g1, a, r0, r1, out);
 #endif
   for (int64_t g = g0; g < g1; ++g) {
     const Out og = out.at(g);
@@ -590,7 +621,7 @@ at::Tensor int8_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t qt
 }
 
 // x [M, K] fp32 times the packed weight (n outputs) -> y [M, n] fp32, plus `residual` [M, n] if given.
-// `variant`: 0 the best this CPU has, 1 portable, 2 AVX2, 3 VNNI (all give the same bits).
+// `variant`: 0 the best this CPU has, 1 portable, 2 AVX2, 3 AVX-VNNI, 4 AVX512-VNNI (all give the same bits).
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,
                        const c10::optional<at::Tensor>& residual, int64_t variant) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
@@ -644,8 +675,14 @@ void int8_matmul_part(int64_t qtype, Variant v, const uint8_t* w, int64_t n, int
     int8_groups(qtype, v, w, n, g0, g1, a, r0, std::min(a.rows, r0 + kRowChunk), y, ldy, res, ldr);
 }
 
-// The best variant this CPU has (see int8_matmul).
+// The variant auto takes on this CPU, and every variant it has (see int8_matmul).
 int64_t int8_variant() { return int8_resolve(kAuto); }
+std::vector<int64_t> int8_variants() {
+  std::vector<int64_t> out;
+  for (int64_t v = kPortable; v <= kVnni512; ++v)
+    if (available(static_cast<Variant>(v))) out.push_back(v);
+  return out;
+}
 
 }  // namespace blockspec_kernels
 
@@ -657,6 +694,7 @@ TORCH_LIBRARY_FRAGMENT(blockspec, m) {
   m.def("int8_rows(Tensor packed, Tensor ids, int qtype) -> Tensor");
   m.def("int8_matmul(Tensor x, Tensor packed, int qtype, int n, Tensor? residual=None, int variant=0) -> Tensor");
   m.def("int8_variant() -> int", [] { return int8_variant(); });
+  m.def("int8_variants() -> int[]", [] { return int8_variants(); });
 }
 
 TORCH_LIBRARY_IMPL(blockspec, CPU, m) {
