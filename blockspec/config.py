@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 ALGORITHMS = ("DFLASH", "NONE")
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1")
 CPU_ACTIVATIONS = ("auto", "int8", "fp32")
+DRAFT_QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1")
 # What "auto" takes for block weights: int8 activations, whose next-token distributions stay within rounding
 # of the fp32 reference on held-out text (README: the quality table; scripts/activation_quality.py).
 DEFAULT_CPU_ACTIVATIONS = "int8"
@@ -49,6 +50,9 @@ class EngineConfig:
     # How block weights meet activations: int8 blocks of 32 (integer dot products), fp32 (the exact
     # reference), or auto (DEFAULT_CPU_ACTIVATIONS). Dense weights are unaffected.
     cpu_activations: str = "auto"
+    # The draft's linear layers on the CPU: blocks of a type (quantized from its checkpoint at load, taking
+    # the target's activation form), none (dense), or auto (q8_0 when the target holds blocks).
+    draft_quantization: str = "auto"
     seed: int | None = None  # torch's global seed (requests carry their own)
     max_model_len: int | None = None  # context length; None: min(max_position_embeddings, 4096)
     max_num_seqs: int = 8  # requests decoded together, one KV slot each
@@ -94,6 +98,14 @@ class EngineConfig:
                                  f"supported; use one of {', '.join(CPU_ACTIVATIONS)}.")
         if not isinstance(self.prefix_caching, bool):
             raise BlockspecError(f"prefix_caching={self.prefix_caching!r} must be True or False.")
+        if self.draft_quantization not in DRAFT_QUANTIZATIONS:
+            raise BlockspecError(f"draft_quantization={self.draft_quantization!r} (--draft-quantization) is not "
+                                 f"supported; use one of {', '.join(DRAFT_QUANTIZATIONS)}.")
+        if self.draft_quantization not in ("auto", "none") and (device.type != "cpu"
+                                                                or self.dtype != torch.float32):
+            raise BlockspecError(f"--draft-quantization {self.draft_quantization}: block-quantized weights run on "
+                                 f"the CPU in float32, not on {device} in {self.dtype}. Use --device cpu "
+                                 f"--dtype float32, or --draft-quantization none.")
         if not isinstance(self.adaptive_speculation, bool):
             raise BlockspecError(f"adaptive_speculation={self.adaptive_speculation!r} must be True or "
                                  f"False.")
@@ -149,6 +161,13 @@ class EngineConfig:
             return "stored" if embedded and cpu_fp32 else None
         return None if self.quantization == "none" else self.quantization
 
+    def draft_blocks(self, target_blocks: str | None) -> str | None:
+        """How the draft holds its linear layers: None (dense) or a block type (auto: q8_0 beside a target
+        held as blocks)."""
+        if self.draft_quantization == "auto":
+            return "q8_0" if target_blocks is not None else None
+        return None if self.draft_quantization == "none" else self.draft_quantization
+
     @property
     def activations(self) -> str:
         """How block weights meet activations: "int8" or "fp32" (auto resolved)."""
@@ -179,6 +198,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the target's weights on the CPU: GGUF blocks (auto: the "
                         "embedded model's own Q4_1/Q8_0 blocks; a type: every linear layer in it), "
                         "or none: dense fp32")
+    g.add_argument("--draft-quantization", choices=list(DRAFT_QUANTIZATIONS), default="auto",
+                   help="the draft's linear layers on the CPU: blocks of a type, quantized from its checkpoint "
+                        "at load (auto: q8_0 when the target holds blocks), or none: dense")
     g.add_argument("--cpu-activations", choices=list(CPU_ACTIVATIONS), default="auto",
                    help="how block weights meet activations on the CPU: int8 (each row quantized to blocks "
                         "of 32, integer dot products: fastest), fp32 (the exact reference), or auto "

@@ -135,8 +135,10 @@ class LLM:
             self.draft = load_draft(
                 draft_path, self.target.config, self.dtype, self.device, self.tokenizer.token_to_id,
                 cli_block_size=cfg.block_size, cli_mask_token=cfg.mask_token,
-                cli_mask_token_id=cfg.mask_token_id,
+                cli_mask_token_id=cfg.mask_token_id, quantization=cfg.draft_blocks(self.weight_blocks),
             )
+            if self.activations == "int8":
+                self.draft.use_int8_activations()
         self.speculative_algorithm = "DFLASH" if self.draft is not None else "NONE"
         target_cfg = self.target.config
         self.max_model_len = cfg.max_model_len or min(target_cfg.max_position_embeddings, 4096)

@@ -29,7 +29,8 @@ inline void share(int64_t total, int64_t align, int t, int threads, int64_t& s0,
 // barriers cost far less than a thread-pool dispatch per op). Each value is computed by the same code as the
 // ops called one by one (rms_norm_row, int8_matmul_part, rope_head, attend_items, silu_mul_row): same bits.
 std::vector<at::Tensor> int8_stack(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef qtypes,
-                                   at::TensorList norms, float eps, int64_t heads, int64_t kv_heads,
+                                   at::TensorList norms, at::TensorList qk_norms, float eps, int64_t heads,
+                                   int64_t kv_heads,
                                    int64_t intermediate, const at::Tensor& cos, const at::Tensor& sin,
                                    at::TensorList cache_k, at::TensorList cache_v, at::IntArrayRef slots,
                                    at::IntArrayRef starts, int64_t length,
@@ -54,6 +55,10 @@ std::vector<at::Tensor> int8_stack(const at::Tensor& x_in, at::TensorList weight
     TORCH_CHECK(norms[2 * i].numel() == hidden && norms[2 * i + 1].numel() == hidden &&
                     norms[2 * i].is_contiguous() && norms[2 * i + 1].is_contiguous(),
                 "blockspec decoder_layers: norm weights must hold ", hidden, " values");
+    if (!qk_norms.empty())
+      TORCH_CHECK(qk_norms[2 * i].numel() == d && qk_norms[2 * i + 1].numel() == d &&
+                      qk_norms[2 * i].is_contiguous() && qk_norms[2 * i + 1].is_contiguous(),
+                  "blockspec decoder_layers: q/k norm weights must hold ", d, " values");
     const int64_t widths[4][2] = {{qkv_width, hidden}, {hidden, attn_width}, {2 * intermediate, hidden},
                                   {hidden, intermediate}};
     for (int j = 0; j < 4; ++j) {
@@ -128,13 +133,16 @@ std::vector<at::Tensor> int8_stack(const at::Tensor& x_in, at::TensorList weight
 #pragma omp barrier
       project(i, 0, qkv_width, act_hidden, qkvp, nullptr);
 #pragma omp barrier
-      // Rotary on each row's q and k heads; a k head then goes into the cache with its v head.
+      // Each row's q and k heads normed (Qwen3) and rotated; a k head then goes into the cache with its v.
       float* ck = cache_k[i].data_ptr<float>();
       float* cv = cache_v[i].data_ptr<float>();
+      const float* qn = qk_norms.empty() ? nullptr : qk_norms[2 * i].data_ptr<float>();
+      const float* kn = qk_norms.empty() ? nullptr : qk_norms[2 * i + 1].data_ptr<float>();
       share(rows * rotated, 1, t, threads, s0, s1);
       for (int64_t item = s0; item < s1; ++item) {
         const int64_t r = item / rotated, head = item % rotated;
         float* xh = qkvp + r * qkv_width + head * d;
+        if (qn != nullptr) rms_norm_row(xh, head < heads ? qn : kn, eps, xh, d);
         rope_head(xh, cp + r * d, sp + r * d, d);
         if (head < heads) continue;
         const int64_t g = head - heads, bi = r / n, ni = r % n;
@@ -174,12 +182,13 @@ std::vector<at::Tensor> int8_stack(const at::Tensor& x_in, at::TensorList weight
 }  // namespace
 
 // x [b, n, H]. Layer i: weights[4i .. 4i+3] = its qkv, o, gate_up and down blocks (GGML types in qtypes),
-// norms[2i], norms[2i+1] = its input and post-attention RMSNorm weights, cache_k[i] / cache_v[i] its KV
+// norms[2i], norms[2i+1] = its input and post-attention RMSNorm weights, qk_norms[2i], qk_norms[2i+1] its
+// per-head q and k RMSNorm weights (Qwen3; empty: none), cache_k[i] / cache_v[i] its KV
 // cache; cos / sin [b, n, 1, head_dim] for the new tokens' positions. Returns the last layer's output,
 // then the outputs of the layers listed in `capture` (indices into this stack), in that order.
 std::vector<at::Tensor> decoder_layers(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef qtypes,
-                                       at::TensorList norms, double eps, int64_t heads, int64_t kv_heads,
-                                       int64_t intermediate, const at::Tensor& cos, const at::Tensor& sin,
+                                       at::TensorList norms, at::TensorList qk_norms, double eps,
+                                       int64_t heads, int64_t kv_heads, int64_t intermediate, const at::Tensor& cos, const at::Tensor& sin,
                                        at::TensorList cache_k, at::TensorList cache_v, at::IntArrayRef slots,
                                        at::IntArrayRef starts,
                                        int64_t length, const c10::optional<at::Tensor>& visible,
@@ -190,9 +199,11 @@ std::vector<at::Tensor> decoder_layers(const at::Tensor& x_in, at::TensorList we
                   static_cast<int64_t>(norms.size()) == 2 * layers &&
                   static_cast<int64_t>(cache_v.size()) == layers && layers > 0,
               "blockspec decoder_layers: x [b, n, H] and, per layer, 4 weights, 4 types, 2 norms, 2 caches");
+  TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers,
+              "blockspec decoder_layers: q/k norms: none, or a q and a k weight per layer");
   if (int8)
-    return int8_stack(x_in, weights, qtypes, norms, static_cast<float>(eps), heads, kv_heads, intermediate, cos,
-                      sin, cache_k, cache_v, slots, starts, length, visible, capture);
+    return int8_stack(x_in, weights, qtypes, norms, qk_norms, static_cast<float>(eps), heads, kv_heads,
+                      intermediate, cos, sin, cache_k, cache_v, slots, starts, length, visible, capture);
   const int64_t b = x_in.size(0), n = x_in.size(1), hidden = x_in.size(2), d = cache_k[0].size(3);
   at::Tensor x = x_in.contiguous();
   std::vector<at::Tensor> out(1 + capture.size());
@@ -201,6 +212,10 @@ std::vector<at::Tensor> decoder_layers(const at::Tensor& x_in, at::TensorList we
     at::Tensor h = rms_norm(x, norms[2 * i], eps).view({b * n, hidden});
     at::Tensor qkv = quant_matmul(h, weights[4 * i], qtypes[4 * i], false, none);
     qkv = qkv.view({b, n, heads + 2 * kv_heads, d});
+    if (!qk_norms.empty()) {
+      qkv.narrow(2, 0, heads).copy_(rms_norm(qkv.narrow(2, 0, heads), qk_norms[2 * i], eps));
+      qkv.narrow(2, heads, kv_heads).copy_(rms_norm(qkv.narrow(2, heads, kv_heads), qk_norms[2 * i + 1], eps));
+    }
     rope_(qkv.narrow(2, 0, heads + kv_heads), cos, sin);
     at::Tensor attn = cache_attention(qkv.narrow(2, 0, heads), qkv.narrow(2, heads, kv_heads),
                                       qkv.narrow(2, heads + kv_heads, kv_heads), cache_k[i], cache_v[i],
@@ -220,9 +235,10 @@ std::vector<at::Tensor> decoder_layers(const at::Tensor& x_in, at::TensorList we
 }  // namespace blockspec_kernels
 
 TORCH_LIBRARY_FRAGMENT(blockspec, m) {
-  m.def("decoder_layers(Tensor x, Tensor[] weights, int[] qtypes, Tensor[] norms, float eps, int heads, "
-        "int kv_heads, int intermediate, Tensor cos, Tensor sin, Tensor(a!)[] cache_k, Tensor(b!)[] cache_v, "
-        "int[] slots, int[] starts, int length, Tensor? visible, int[] capture, bool int8=False) -> Tensor[]");
+  m.def("decoder_layers(Tensor x, Tensor[] weights, int[] qtypes, Tensor[] norms, Tensor[] qk_norms, float eps, "
+        "int heads, int kv_heads, int intermediate, Tensor cos, Tensor sin, Tensor(a!)[] cache_k, "
+        "Tensor(b!)[] cache_v, int[] slots, int[] starts, int length, Tensor? visible, int[] capture, "
+        "bool int8=False) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(blockspec, CPU, m) { m.impl("decoder_layers", &blockspec_kernels::decoder_layers); }

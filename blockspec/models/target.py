@@ -81,6 +81,30 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm.fold_into(self.mlp.gate_up_proj)
 
 
+# A layer stack for blockspec/kernels/layer_stack.cpp: every layer's blocks (qkv, o, gate_up, down), their GGML
+# types, norm weights (input, post-attention), per-head q/k norm weights (Qwen3; else none) and whether the
+# blocks take int8 activations.
+BlockStack = tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[torch.Tensor], bool]
+
+
+def block_stack(layers) -> BlockStack | None:
+    """Decoder layers (the target's, a draft's: each with self_attn.{qkv_proj, o_proj, q_norm, k_norm},
+    mlp.{gate_up_proj, down_proj} and two norms) as one stack, or None where a layer cannot run there:
+    dense, biased or row-parallel linears, folded norms, layers in mixed forms."""
+    linears = [linear for layer in layers for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    if not all(linear.quant is not None and linear.bias is None and linear.parallel is None
+               for linear in linears) or any(layer.input_layernorm.folded for layer in layers):
+        return None
+    forms = {linear.quant.activations for linear in linears}
+    qk = [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in layers]
+    if len(forms) != 1 or len({q is None for q, _ in qk}) != 1:
+        return None
+    return ([linear.quant.data for linear in linears], [linear.quant.qtype.ggml_id for linear in linears],
+            [norm.weight for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)],
+            [norm.weight for pair in qk for norm in pair if norm is not None], forms == {"int8"})
+
+
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -135,31 +159,21 @@ class CausalLM(nn.Module):
     def run_block_stack(self, ops, x: torch.Tensor, batch: ForwardBatch, rope: Rope, first: int,
                         capture: tuple[int, ...]) -> list[torch.Tensor]:
         """Layers first.. as one op (`block_stack`): [last output, then the outputs of layers `capture`]."""
-        weights, qtypes, norms, int8 = self.block_stack()
+        weights, qtypes, norms, qk_norms, int8 = self.block_stack()
         attn, cache = self.layers[0].self_attn, batch.cache
         return ops.decoder_layers(
-            x, weights[4 * first :], qtypes[4 * first :], norms[2 * first :], self.config.rms_norm_eps,
+            x, weights[4 * first :], qtypes[4 * first :], norms[2 * first :], qk_norms[2 * first :],
+            self.config.rms_norm_eps,
             attn.heads, attn.kv_heads, self.config.intermediate_size, *rope, cache.k_layers[first:],
             cache.v_layers[first:], batch.slots, batch.starts, batch.kv_length, batch.visible(),
             [i - first for i in capture], int8)
 
-    def block_stack(self) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor], bool] | None:
-        """The layers' blocks, their types, norm weights and activation form (int8 or not) for the one-op
-        CPU layer stack (blockspec/kernels/layer_stack.cpp), or None where a layer cannot run there (dense or
-        biased linears, q/k norms, layers in mixed forms, and under tensor parallelism: the op has no
-        all-reduce between its layers, so the layers run one by one there). Gathered once: the layers hold
-        their weights for good after loading."""
+    def block_stack(self) -> BlockStack | None:
+        """The layers as the one-op CPU layer stack takes them (`block_stack`), or None where it cannot
+        (under tensor parallelism the op has no all-reduce between its layers, so they run one by one).
+        Gathered once: the layers hold their weights for good after loading."""
         if "_block_stack" not in self.__dict__:
-            linears = [linear for layer in self.layers for linear in (layer.self_attn.qkv_proj,
-                       layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-            runs = all(linear.quant is not None and linear.bias is None and linear.parallel is None
-                       for linear in linears) and all(
-                layer.self_attn.q_norm is None and not layer.input_layernorm.folded for layer in self.layers)
-            forms = {linear.quant.activations for linear in linears} if runs else set()
-            self.__dict__["_block_stack"] = None if len(forms) != 1 else (
-                [linear.quant.data for linear in linears], [linear.quant.qtype.ggml_id for linear in linears],
-                [norm.weight for layer in self.layers
-                 for norm in (layer.input_layernorm, layer.post_attention_layernorm)], forms == {"int8"})
+            self.__dict__["_block_stack"] = None if self.tp is not None else block_stack(self.layers)
         return self.__dict__["_block_stack"]
 
     def use_int8_activations(self) -> None:
