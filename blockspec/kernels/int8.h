@@ -9,9 +9,9 @@ namespace blockspec_kernels {
 
 constexpr int kPackedRows = 8;  // output rows per packed group
 
-// Instruction-set variants: portable C++, AVX2 (maddubs/madd), AVX-VNNI and AVX512-VNNI (dpbusd on 256-bit
-// registers); kAuto: the best this CPU has. All give the same bits.
-enum Variant : int64_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kVnni = 3, kVnni512 = 4 };
+// Instruction-set variants: portable C++, AVX2 (maddubs/madd), AVX-VNNI (dpbusd on 256-bit registers) and
+// AVX512-VNNI (dpbusd on 512-bit registers); kAuto: the best this CPU has. All give the same bits.
+enum Variant : int64_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kVnni = 3, kAvx512 = 4 };
 Variant int8_resolve(int64_t requested);
 
 // One matmul's activations: per row and block of 32, the int8 values, the scale d, their sum s, and d * s.

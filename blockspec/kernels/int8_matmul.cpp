@@ -188,7 +188,6 @@ void group_portable(int64_t qtype, const uint8_t* panel, int64_t blocks, const A
 
 #ifdef BLOCKSPEC_X86
 #define VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
-#define VNNI512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 
 // A tile: G consecutive groups of 8 outputs (panels `stride` bytes apart) times R activation rows. Several
 // groups per tile give one activation row independent accumulation chains (a block's dpbusd chain is its
@@ -277,55 +276,49 @@ AVX2_F16C __attribute__((always_inline)) inline void block_dots_avx2(const uint8
   }
 }
 
-// The VNNI dots for each instruction set that has dpbusd on 256-bit registers: AVX-VNNI (VEX) and AVX512-VNNI
-// with AVX512-VL (EVEX; Ice Lake, Zen 4), each compiled for its own target.
-#define BLOCKSPEC_VNNI_DOTS(NAME, TARGET, DPBUSD) \
-template <int64_t QT, int G, int R>                                                                                \
-TARGET __attribute__((always_inline)) inline void NAME(const uint8_t* chunks, int64_t stride, const Tile<G, R>& t, \
-                                                      int64_t b, __m256i* dot) {                                   \
-_Pragma("GCC unroll 16")                                                                                           \
-  for (int i = 0; i < G * R; ++i) dot[i] = _mm256_setzero_si256();                                                 \
-  if constexpr (QT == kQ8_0) {                                                                                     \
-_Pragma("GCC unroll 8")                                                                                            \
-    for (int c = 0; c < 8; ++c) {                                                                                  \
-_Pragma("GCC unroll 4")                                                                                            \
-      for (int g = 0; g < G; ++g) {                                                                                \
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + g * stride + 32 * c));      \
-_Pragma("GCC unroll 8")                                                                                            \
-        for (int r = 0; r < R; ++r)                                                                                \
-          dot[g * R + r] = DPBUSD(dot[g * R + r], w,                                                               \
-                                                   _mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 4 * c)));          \
-      }                                                                                                            \
-    }                                                                                                              \
-  } else {                                                                                                         \
-    const __m256i nibble = _mm256_set1_epi8(0xF);                                                                  \
-_Pragma("GCC unroll 4")                                                                                            \
-    for (int c = 0; c < 4; ++c) {                                                                                  \
-_Pragma("GCC unroll 4")                                                                                            \
-      for (int g = 0; g < G; ++g) {                                                                                \
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + g * stride + 32 * c));      \
-        const __m256i lo = _mm256_and_si256(v, nibble);                                                            \
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);                                      \
-_Pragma("GCC unroll 8")                                                                                            \
-        for (int r = 0; r < R; ++r) {                                                                              \
-          __m256i& acc = dot[g * R + r];                                                                           \
-          acc = DPBUSD(acc, lo, _mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 4 * c)));                             \
-          acc = DPBUSD(acc, hi, _mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 16 + 4 * c)));                        \
-        }                                                                                                          \
-      }                                                                                                            \
-    }                                                                                                              \
-  }                                                                                                                \
-  constexpr int32_t offset = QT == kQ8_0 ? 128 : QT == kQ4_0 ? 8 : 0;                                              \
-  if constexpr (offset != 0) {                                                                                     \
-_Pragma("GCC unroll 16")                                                                                           \
-    for (int i = 0; i < G * R; ++i)                                                                                \
-      dot[i] = _mm256_sub_epi32(dot[i], _mm256_set1_epi32(offset * t.sums[i % R][b]));                             \
-  }                                                                                                                \
+template <int64_t QT, int G, int R>
+VNNI __attribute__((always_inline)) inline void block_dots_vnni(const uint8_t* chunks, int64_t stride,
+                                                               const Tile<G, R>& t, int64_t b, __m256i* dot) {
+#pragma GCC unroll 16
+  for (int i = 0; i < G * R; ++i) dot[i] = _mm256_setzero_si256();
+  if constexpr (QT == kQ8_0) {
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + g * stride + 32 * c));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          dot[g * R + r] = _mm256_dpbusd_avx_epi32(dot[g * R + r], w,
+                                                   _mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 4 * c)));
+      }
+    }
+  } else {
+    const __m256i nibble = _mm256_set1_epi8(0xF);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + g * stride + 32 * c));
+        const __m256i lo = _mm256_and_si256(v, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          __m256i& acc = dot[g * R + r];
+          acc = _mm256_dpbusd_avx_epi32(acc, lo, _mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 4 * c)));
+          acc = _mm256_dpbusd_avx_epi32(acc, hi, _mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 16 + 4 * c)));
+        }
+      }
+    }
+  }
+  constexpr int32_t offset = QT == kQ8_0 ? 128 : QT == kQ4_0 ? 8 : 0;
+  if constexpr (offset != 0) {
+#pragma GCC unroll 16
+    for (int i = 0; i < G * R; ++i)
+      dot[i] = _mm256_sub_epi32(dot[i], _mm256_set1_epi32(offset * t.sums[i % R][b]));
+  }
 }
 
-BLOCKSPEC_VNNI_DOTS(block_dots_vnni, VNNI, _mm256_dpbusd_avx_epi32)
-BLOCKSPEC_VNNI_DOTS(block_dots_vnni512, VNNI512, _mm256_dpbusd_epi32)
-#undef BLOCKSPEC_VNNI_DOTS
 
 // Per block, for each group and row: acc += float(dot) * (d_w * d_x) (and for Q4_1: acc += m_w * (d_x *
 // sum_x)), in that order.
@@ -389,7 +382,6 @@ AVX2_F16C __attribute__((always_inline)) inline void store_tile(const __m256* ac
   }
 BLOCKSPEC_TILE(tile_avx2, AVX2_F16C, block_dots_avx2)
 BLOCKSPEC_TILE(tile_vnni, VNNI, block_dots_vnni)
-BLOCKSPEC_TILE(tile_vnni512, VNNI512, block_dots_vnni512)
 #undef BLOCKSPEC_TILE
 
 // Where a tile's outputs go: y and the residual (or null), both at group g0's outputs of row 0.
@@ -406,8 +398,6 @@ inline void tile(const uint8_t* panel, int64_t stride, const Activations& a, int
                  int64_t outputs) {
   if constexpr (V == kVnni)
     tile_vnni<QT, G, R>(panel, stride, a, r0, o.y, o.ldy, outputs, o.res, o.ldr);
-  else if constexpr (V == kVnni512)
-    tile_vnni512<QT, G, R>(panel, stride, a, r0, o.y, o.ldy, outputs, o.res, o.ldr);
   else
     tile_avx2<QT, G, R>(panel, stride, a, r0, o.y, o.ldy, outputs, o.res, o.ldr);
 }
@@ -443,6 +433,132 @@ void groups_simd(const uint8_t* w, int64_t stride, int64_t n, int64_t g0, int64_
     }
   }
 }
+
+// ---- AVX512-VNNI on 512-bit registers ---------------------------------------------------------------------
+
+// Two packed groups side by side make 16 outputs a register: each 32-byte chunk of group g and of g + 1 go into
+// the low and high halves, their 8 + 8 scales likewise; then the same integer dots and the same fp32 steps per
+// lane as the 256-bit kernels (same bits).
+#define AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+AVX512 inline __m512i pair_load(const uint8_t* p, int64_t stride) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + stride)), 1);
+}
+
+AVX512 inline __m512 pair_scales(const uint8_t* p, int64_t stride) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + stride)), 1));
+}
+
+// U units of 16 outputs (groups 2u, 2u + 1 from `panel`, panels `stride` bytes apart) for R rows from r0.
+template <int64_t QT, int U, int R>
+AVX512 void tile_avx512(const uint8_t* panel, int64_t stride, const Activations& a, int64_t r0, float* y,
+                        int64_t ldy, const float* res, int64_t ldr) {
+  constexpr int64_t rec = record_bytes(QT), scales = scale_bytes(QT);
+  const Tile<1, R> t = tile_rows<1, R>(a, r0);
+  __m512 acc[U * R];
+#pragma GCC unroll 16
+  for (int i = 0; i < U * R; ++i) acc[i] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0xF);
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    // Two accumulators per dot (low and high nibbles; even and odd Q8 chunks), added at the end: twice the
+    // independent dpbusd chains, whose latency a few rows could not hide.
+    __m512i dot[U * R], odd[U * R];
+#pragma GCC unroll 16
+    for (int i = 0; i < U * R; ++i) dot[i] = odd[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int c = 0; c < chunk_count(QT); ++c) {
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) {
+        const __m512i v = pair_load(panel + 2 * u * stride + b * rec + scales + 32 * c, stride);
+        if constexpr (QT == kQ8_0) {
+#pragma GCC unroll 12
+          for (int r = 0; r < R; ++r) {
+            __m512i& d = c % 2 ? odd[u * R + r] : dot[u * R + r];
+            d = _mm512_dpbusd_epi32(d, v, _mm512_set1_epi32(word_at(t.xq[r] + b * 32 + 4 * c)));
+          }
+        } else {
+          const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+#pragma GCC unroll 12
+          for (int r = 0; r < R; ++r) {
+            dot[u * R + r] = _mm512_dpbusd_epi32(dot[u * R + r], lo,
+                                                 _mm512_set1_epi32(word_at(t.xq[r] + b * 32 + 4 * c)));
+            odd[u * R + r] = _mm512_dpbusd_epi32(odd[u * R + r], hi,
+                                                 _mm512_set1_epi32(word_at(t.xq[r] + b * 32 + 16 + 4 * c)));
+          }
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < U * R; ++i) dot[i] = _mm512_add_epi32(dot[i], odd[i]);
+    constexpr int32_t offset = QT == kQ8_0 ? 128 : QT == kQ4_0 ? 8 : 0;
+#pragma GCC unroll 2
+    for (int u = 0; u < U; ++u) {
+      const uint8_t* p = panel + 2 * u * stride + b * rec;
+      const __m512 dw = pair_scales(p, stride);
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) {
+        __m512i d = dot[u * R + r];
+        if constexpr (offset != 0) d = _mm512_sub_epi32(d, _mm512_set1_epi32(offset * t.sums[r][b]));
+        const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(t.d[r][b]));
+        acc[u * R + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[u * R + r]);
+      }
+      if constexpr (QT == kQ4_1) {
+        const __m512 mw = pair_scales(p + 16, stride);
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r)
+          acc[u * R + r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(t.ds[r][b]), acc[u * R + r]);
+      }
+    }
+  }
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r) {
+      __m512 v = acc[u * R + r];
+      if (res != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(res + (r0 + r) * ldr + 16 * u));
+      _mm512_storeu_ps(y + (r0 + r) * ldy + 16 * u, v);
+    }
+}
+
+// Groups [g0, g1) for rows [r0, r1) on 512-bit registers: one row takes four units (64 outputs) a tile, more
+// rows one unit in tiles of up to 8 rows; a group left without a partner takes the AVX2 kernel.
+template <int64_t QT>
+void groups_avx512(const uint8_t* w, int64_t stride, int64_t n, int64_t g0, int64_t g1, const Activations& a,
+                   int64_t r0, int64_t r1, const Out& out) {
+  const int64_t rows = r1 - r0, full = std::min(g1, n / kRows);  // groups below `full` have 8 outputs
+  int64_t g = g0;
+  if (rows == 1)
+    for (; g + 8 <= full; g += 8) {
+      const Out o = out.at(g);
+      tile_avx512<QT, 4, 1>(w + g * stride, stride, a, r0, o.y, o.ldy, o.res, o.ldr);
+    }
+  if (rows == 1)
+    for (; g + 4 <= full; g += 4) {
+      const Out o = out.at(g);
+      tile_avx512<QT, 2, 1>(w + g * stride, stride, a, r0, o.y, o.ldy, o.res, o.ldr);
+    }
+  const int64_t tiles = (rows + 7) / 8;
+  for (; g + 2 <= full; g += 2) {
+    const Out o = out.at(g);
+    for (int64_t i = 0, r = r0; i < tiles; ++i) {
+      const int64_t left = rows - (r - r0), count = (left + (tiles - i) - 1) / (tiles - i);
+      const uint8_t* panel = w + g * stride;
+      switch (count) {
+        case 8: tile_avx512<QT, 1, 8>(panel, stride, a, r, o.y, o.ldy, o.res, o.ldr); break;
+        case 7: tile_avx512<QT, 1, 7>(panel, stride, a, r, o.y, o.ldy, o.res, o.ldr); break;
+        case 6: tile_avx512<QT, 1, 6>(panel, stride, a, r, o.y, o.ldy, o.res, o.ldr); break;
+        case 5: tile_avx512<QT, 1, 5>(panel, stride, a, r, o.y, o.ldy, o.res, o.ldr); break;
+        case 4: tile_avx512<QT, 1, 4>(panel, stride, a, r, o.y, o.ldy, o.res, o.ldr); break;
+        case 3: tile_avx512<QT, 1, 3>(panel, stride, a, r, o.y, o.ldy, o.res, o.ldr); break;
+        case 2: tile_avx512<QT, 1, 2>(panel, stride, a, r, o.y, o.ldy, o.res, o.ldr); break;
+        default: tile_avx512<QT, 1, 1>(panel, stride, a, r, o.y, o.ldy, o.res, o.ldr); break;
+      }
+      r += count;
+    }
+  }
+  if (g < g1) groups_simd<QT, kAvx2>(w, stride, n, g, g1, a, r0, r1, out);
+}
 #endif
 
 bool has_avx2() {
@@ -464,10 +580,10 @@ bool has_vnni() {
 #endif
 }
 
-bool has_vnni512() {
+bool has_avx512() {
 #ifdef BLOCKSPEC_X86
-  static const bool ok = has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                         __builtin_cpu_supports("avx512vnni");
+  static const bool ok = has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
   return ok;
 #else
   return false;
@@ -479,7 +595,7 @@ bool available(Variant v) {
     case kPortable: return true;
     case kAvx2: return has_avx2();
     case kVnni: return has_vnni();
-    case kVnni512: return has_vnni512();
+    case kAvx512: return has_avx512();
     default: return false;
   }
 }
@@ -487,7 +603,7 @@ bool available(Variant v) {
 }  // namespace
 
 Variant int8_resolve(int64_t requested) {
-  if (requested == kAuto) return has_vnni() ? kVnni : has_vnni512() ? kVnni512 : has_avx2() ? kAvx2 : kPortable;
+  if (requested == kAuto) return has_avx512() ? kAvx512 : has_vnni() ? kVnni : has_avx2() ? kAvx2 : kPortable;
   TORCH_CHECK(available(static_cast<Variant>(requested)), "blockspec int8 matmul: variant ", requested,
               " is not available on this CPU (see int8_variants)");
   return static_cast<Variant>(requested);
@@ -512,7 +628,13 @@ void int8_groups(int64_t qtype, Variant v, const uint8_t* w, int64_t n, int64_t 
   const Out out{y, ldy, res, ldr};
 #ifdef BLOCKSPEC_X86
   if (v == kVnni) return groups_of<kVnni>(qtype, w, stride, n, g0, g1, a, r0, r1, out);
-  if (v == kVnni512) return groups_of<kVnni512>(qtype, w, stride, n, g0, g1, a, r0, r1, out);
+  if (v == kAvx512) {
+    switch (qtype) {
+      case kQ4_0: return groups_avx512<kQ4_0>(w, stride, n, g0, g1, a, r0, r1, out);
+      case kQ4_1: return groups_avx512<kQ4_1>(w, stride, n, g0, g1, a, r0, r1, out);
+      case kQ8_0: return groups_avx512<kQ8_0>(w, stride, n, g0, g1, a, r0, r1, out);
+    }
+  }
   if (v == kAvx2) return groups_of<kAvx2>(qtype, w, stride, n, g0, g1, a, r0, r1, out);
 #endif
   for (int64_t g = g0; g < g1; ++g) {
@@ -679,7 +801,7 @@ void int8_matmul_part(int64_t qtype, Variant v, const uint8_t* w, int64_t n, int
 int64_t int8_variant() { return int8_resolve(kAuto); }
 std::vector<int64_t> int8_variants() {
   std::vector<int64_t> out;
-  for (int64_t v = kPortable; v <= kVnni512; ++v)
+  for (int64_t v = kPortable; v <= kAvx512; ++v)
     if (available(static_cast<Variant>(v))) out.push_back(v);
   return out;
 }

@@ -122,10 +122,10 @@ std::vector<at::Tensor> int8_stack(const at::Tensor& x_in, at::TensorList weight
       for (int64_t r = s0; r < s1; ++r) rms_norm_row(xp + r * hidden, w, eps, hp + r * hidden, hidden);
       quantize_activation_rows(hp + s0 * hidden, hidden, s0, s1, simd, act);
     };
-    // This thread's output groups of a weight with `width` outputs (whole 4-group tiles).
+    // This thread's output groups of a weight with `width` outputs (whole pairs of groups).
     auto project = [&](int64_t i, int j, int64_t width, const Activations& act, float* y, const float* res) {
       const at::Tensor& w = weights[4 * i + j];
-      share(w.size(0), 4, t, threads, s0, s1);
+      share(w.size(0), 2, t, threads, s0, s1);
       int8_matmul_part(qtypes[4 * i + j], v, w.data_ptr<uint8_t>(), width, s0, s1, act, y, width, res, width);
     };
     for (int64_t i = 0; i < layers; ++i) {
