@@ -198,3 +198,32 @@ def test_a_prompt_is_the_same_bits_in_any_chunking(tmp_path, activations):
         for chunks, batched in (([16, 24], False), ([40], True), ([1] * 40, False), ([5, 35], True)):
             got = prefill(chunks, batched)
             assert all(torch.equal(a, b) for a, b in zip(got, want)), (chunks, batched)
+
+
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_a_block_held_draft_runs_as_one_op_with_the_python_layers_bits(tmp_path, activations):
+    """A draft held as Q8_0 blocks drafts its block through the layer-stack op (per-head q/k norms, a
+    non-causal block) and writes its context through `draft_context`: the same bits as its Python layers."""
+    from blockspec.models.loader import load_draft
+    from tests.tiny import tiny_target_with_draft
+
+    target, cfg, folder = tiny_target_with_draft(tmp_path, "llama-q4_1", torch.device("cpu"), 4)
+    draft = load_draft(folder, cfg, torch.float32, torch.device("cpu"), quantization="q8_0")
+    if activations == "int8":
+        draft.use_int8_activations()
+    draft.use_target_embedding(target.embed_tokens)
+    assert draft.block_stack() is not None and draft.context_stack() is not None
+    features = torch.randn(2, 7, len(draft.config.target_layer_ids) * cfg.hidden_size, generator=gen(8))
+    block = torch.randint(3, cfg.vocab_size, (2, 4), generator=gen(9))
+
+    def run() -> tuple[torch.Tensor, ...]:
+        cache = KVCache.for_model(draft, 2, 16)
+        draft.inject(features, ForwardBatch.in_cache(cache, [1, 0], [0, 0], num_new=7))
+        hidden = draft(ForwardBatch.in_cache(cache, [1, 0], [7, 7], block, among_new="all"))
+        return hidden, *(layer[:2, :, :11] for layer in (*cache.k_layers, *cache.v_layers))  # rows written
+
+    with torch.inference_mode():
+        fused = run()
+        draft.__dict__["_block_stack"] = draft.__dict__["_context_stack"] = None  # the Python layers
+        layered = run()
+    assert all(torch.equal(a, b) for a, b in zip(fused, layered))

@@ -99,6 +99,7 @@ class DFlashDraft(nn.Module):
             if getattr(module, "quant", None) is not None:
                 module.quant.use_int8()
         self.__dict__.pop("_block_stack", None)
+        self.__dict__.pop("_context_stack", None)
 
     def block_stack(self) -> BlockStack | None:
         """The layers as the one-op CPU layer stack takes them (models/target.py), or None (dense layers,
@@ -123,8 +124,30 @@ class DFlashDraft(nn.Module):
         """Target features [b, n, K*H] projected into the draft: hidden_norm(fc(features)) [b, n, H]."""
         return self.hidden_norm(self.fc(features))
 
+    def context_stack(self) -> tuple | None:
+        """fc, hidden_norm and every layer's k/v blocks and k_norm as the one-op CPU injection
+        (`draft_context`, blockspec/kernels/layer_stack.cpp) takes them, or None where it cannot."""
+        if "_context_stack" not in self.__dict__:
+            stack, fc = self.block_stack(), self.fc.quant
+            runs = stack is not None and fc is not None and (fc.activations == "int8") == stack[4]
+            kv = [layer.self_attn.qkv_proj.quant.row_range(layer.self_attn.qkv_proj.shards[0])
+                  for layer in self.layers] if runs else []
+            self.__dict__["_context_stack"] = None if not runs else (
+                fc.data, fc.qtype.ggml_id, self.hidden_norm.weight, [w.data for w in kv],
+                [w.qtype.ggml_id for w in kv], [layer.self_attn.k_norm.weight for layer in self.layers], stack[4])
+        return self.__dict__["_context_stack"]
+
     def inject(self, features: torch.Tensor, batch: ForwardBatch) -> None:
         """Write context K/V into the batch's cache for target features [b, n, K*H] at its positions."""
+        stack = self.context_stack()
+        if stack is not None and (ops := fused_ops(features)) is not None:
+            fc, fc_qtype, norm, kv, qtypes, k_norms, int8 = stack
+            cache = batch.cache
+            rope = self.rotary.table(batch.positions, features.dtype)
+            ops.draft_context(features, fc, fc_qtype, norm, kv, qtypes, k_norms, self.config.rms_norm_eps,
+                              self.config.num_key_value_heads, *rope, cache.k_layers, cache.v_layers,
+                              batch.slots, batch.starts, int8)
+            return
         ctx = self.context(features)
         rope = self.rotary.table(batch.positions, ctx.dtype)
         for layer in self.layers:
