@@ -92,8 +92,9 @@ std::vector<at::Tensor> int8_stack(const at::Tensor& x_in, at::TensorList weight
   at::Tensor h = at::empty({rows, hidden}, f32), qkv = at::empty({rows, qkv_width}, f32);
   at::Tensor attn = at::empty({rows, attn_width}, f32), gate_up = at::empty({rows, 2 * intermediate}, f32);
   at::Tensor mlp = at::empty({rows, intermediate}, f32);
-  std::vector<at::Tensor> out(1 + capture.size());
-  for (size_t c = 0; c < capture.size(); ++c) out[1 + c] = at::empty({b, n, hidden}, f32);
+  const int64_t captured = static_cast<int64_t>(capture.size());
+  at::Tensor features = at::empty({b, n, captured * hidden}, f32);  // the captured layers side by side
+  float* fp = features.data_ptr<float>();
   Activations act_hidden, act_attn, act_mlp;
   act_hidden.resize(rows, hidden), act_attn.resize(rows, attn_width), act_mlp.resize(rows, intermediate);
   float *xp = x.data_ptr<float>(), *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
@@ -171,12 +172,12 @@ std::vector<at::Tensor> int8_stack(const at::Tensor& x_in, at::TensorList weight
       project(i, 3, hidden, act_mlp, xp, xp);
 #pragma omp barrier
       share(rows, 1, t, threads, s0, s1);
-      for (size_t c = 0; c < capture.size(); ++c)
-        if (capture[c] == i) std::copy_n(xp + s0 * hidden, (s1 - s0) * hidden, out[1 + c].data_ptr<float>() + s0 * hidden);
+      for (int64_t c = 0; c < captured; ++c)
+        if (capture[c] == i)
+          for (int64_t r = s0; r < s1; ++r) std::copy_n(xp + r * hidden, hidden, fp + (r * captured + c) * hidden);
     }
   }
-  out[0] = x.view({b, n, hidden});
-  return out;
+  return {x.view({b, n, hidden}), features};
 }
 
 }  // namespace
@@ -184,8 +185,9 @@ std::vector<at::Tensor> int8_stack(const at::Tensor& x_in, at::TensorList weight
 // x [b, n, H]. Layer i: weights[4i .. 4i+3] = its qkv, o, gate_up and down blocks (GGML types in qtypes),
 // norms[2i], norms[2i+1] = its input and post-attention RMSNorm weights, qk_norms[2i], qk_norms[2i+1] its
 // per-head q and k RMSNorm weights (Qwen3; empty: none), cache_k[i] / cache_v[i] its KV
-// cache; cos / sin [b, n, 1, head_dim] for the new tokens' positions. Returns the last layer's output,
-// then the outputs of the layers listed in `capture` (indices into this stack), in that order.
+// cache; cos / sin [b, n, 1, head_dim] for the new tokens' positions. Returns the last layer's output and
+// the outputs of the layers listed in `capture` (indices into this stack) side by side in that order,
+// [b, n, len(capture) * H].
 std::vector<at::Tensor> decoder_layers(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef qtypes,
                                        at::TensorList norms, at::TensorList qk_norms, double eps,
                                        int64_t heads, int64_t kv_heads, int64_t intermediate, const at::Tensor& cos, const at::Tensor& sin,
@@ -206,7 +208,7 @@ std::vector<at::Tensor> decoder_layers(const at::Tensor& x_in, at::TensorList we
                       intermediate, cos, sin, cache_k, cache_v, slots, starts, length, visible, capture);
   const int64_t b = x_in.size(0), n = x_in.size(1), hidden = x_in.size(2), d = cache_k[0].size(3);
   at::Tensor x = x_in.contiguous();
-  std::vector<at::Tensor> out(1 + capture.size());
+  std::vector<at::Tensor> captured(capture.size());
   const c10::optional<at::Tensor> none;
   for (int64_t i = 0; i < layers; ++i) {
     at::Tensor h = rms_norm(x, norms[2 * i], eps).view({b * n, hidden});
@@ -226,10 +228,10 @@ std::vector<at::Tensor> decoder_layers(const at::Tensor& x_in, at::TensorList we
     at::Tensor gate_up = quant_matmul(h, weights[4 * i + 2], qtypes[4 * i + 2], false, none);
     x = quant_matmul(silu_mul(gate_up), weights[4 * i + 3], qtypes[4 * i + 3], false, x).view({b, n, hidden});
     for (size_t c = 0; c < capture.size(); ++c)
-      if (capture[c] == i) out[1 + c] = x;
+      if (capture[c] == i) captured[c] = x;
   }
-  out[0] = x;
-  return out;
+  if (captured.empty()) return {x, at::empty({b, n, 0}, x.options())};
+  return {x, at::cat(captured, -1)};
 }
 
 // A draft's context (DFlash): target features [b, n, F] projected by fc (blocks, fc_qtype) and normed by

@@ -142,11 +142,11 @@ class CausalLM(nn.Module):
         last = len(self.layers) - 1
         ops = fused_ops(x) if batch.cache is not None else None
         if ops is not None and self.block_stack() is not None:
-            x, *outputs = self.run_block_stack(ops, x, batch, rope, first, capture)
-            captured = dict(zip(capture, outputs))
-            if last in captured:
-                captured[last] = self.norm(captured[last])
-            return x, torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+            x, features = self.run_block_stack(ops, x, batch, rope, first, capture)
+            if last in capture:  # HF's last hidden state is taken after the final norm
+                at = capture.index(last) * x.shape[-1]
+                features[..., at : at + x.shape[-1]] = self.norm(features[..., at : at + x.shape[-1]])
+            return x, features if capture else None
         captured: dict[int, torch.Tensor] = {}
         for i, layer in islice(enumerate(self.layers), first, None):  # no ModuleList indexing per layer
             x = layer(x, batch, rope)
@@ -158,7 +158,8 @@ class CausalLM(nn.Module):
 
     def run_block_stack(self, ops, x: torch.Tensor, batch: ForwardBatch, rope: Rope, first: int,
                         capture: tuple[int, ...]) -> list[torch.Tensor]:
-        """Layers first.. as one op (`block_stack`): [last output, then the outputs of layers `capture`]."""
+        """Layers first.. as one op (`block_stack`): [last output, the outputs of layers `capture` side by
+        side]."""
         weights, qtypes, norms, qk_norms, int8 = self.block_stack()
         attn, cache = self.layers[0].self_attn, batch.cache
         return ops.decoder_layers(
