@@ -119,6 +119,9 @@ class ScriptedGovernor:
         self.step += 1
         return self.script[(self.step - 1) % len(self.script)]
 
+    def lookup_pays(self, seqs, width) -> bool:
+        return True  # every row copies: verify the copies, as without a governor
+
     def mix(self, seqs, copied, shape, width) -> bool:
         """The same script decides whether a batch where only some rows have a lookup match takes a mixed
         step."""
