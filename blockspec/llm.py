@@ -131,11 +131,12 @@ class LLM:
             self.target.use_int8_activations()
         self.tokenizer = Tokenizer.from_folder(self.model_path)
         self.draft = None
+        self.draft_blocks = cfg.draft_blocks(self.weight_blocks) if draft_path is not None else None
         if draft_path is not None:
             self.draft = load_draft(
                 draft_path, self.target.config, self.dtype, self.device, self.tokenizer.token_to_id,
                 cli_block_size=cfg.block_size, cli_mask_token=cfg.mask_token,
-                cli_mask_token_id=cfg.mask_token_id, quantization=cfg.draft_blocks(self.weight_blocks),
+                cli_mask_token_id=cfg.mask_token_id, quantization=self.draft_blocks,
             )
             if self.activations == "int8":
                 self.draft.use_int8_activations()

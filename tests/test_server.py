@@ -315,6 +315,8 @@ def test_metrics_exposition(server, client):
                  "blockspec_step_latency_seconds_bucket", "blockspec_kv_tokens_used ",
                  "blockspec_preemptions_total "):
         assert name in text, name
+    assert ('blockspec_engine_info{device="cpu",quantization="none",cpu_activations="none",'
+            'draft_quantization="none"} 1') in text
 
 
 def test_serve_cli_errors(capsys):

@@ -52,6 +52,10 @@ def _block_sizes(text: str) -> list[int]:
     return _integers(text, 2, "block sizes", "2,4,8,16")
 
 
+def _prefill_lengths(text: str) -> list[int]:
+    return _integers(text, 1, "prompt lengths", "500,2000")
+
+
 def _tree_budgets(text: str) -> list[int]:
     return _integers(text, 0, "tree budgets", "0,4,8,16")
 
@@ -82,6 +86,9 @@ def register(sub) -> None:
     p.add_argument("--sweep-tree-budgets", type=_tree_budgets, default=None, metavar="0,4,8,16",
                    help="run DFlash with candidate trees of each budget (0: the chain) at the block size "
                         "given (one table, one plot); the engine is built with the largest")
+    p.add_argument("--prefill-lengths", type=_prefill_lengths, default=None, metavar="500,2000",
+                   help="also time the first token of prompts this long (reference text), every method, "
+                        "interleaved; the JSON's `prefill`")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_sampling_args(p)
     add_model_args(p)
@@ -114,7 +121,8 @@ def run_bench_command(args: argparse.Namespace) -> None:
     from blockspec.bench.datasets import load_dataset, select_subset
     from blockspec.bench.report import (build_report, command_line, machine_info, now_utc, print_table,
                                         write_plot)
-    from blockspec.bench.runner import EngineMethod, HFMethod, run_bench
+    from blockspec.bench.prefill import check_lengths, print_prefill, run_prefill
+    from blockspec.bench.runner import PEERS, EngineMethod, HFMethod, run_bench
     from blockspec.llm import LLM
 
     params = sampling_from_args(args)
@@ -180,8 +188,14 @@ def run_bench_command(args: argparse.Namespace) -> None:
             dflash.append((name, size, budget))
     checks = [(name, "ar") for name, *_ in dflash] if args.baseline != "none" else []
 
+    if args.prefill_lengths:
+        check_lengths(args.prefill_lengths, llm.max_model_len)
     samples = run_bench(llm, prompts, methods, params, args.multi_turn, checks,
                         progress=not args.no_progress)
+    prefill = None
+    if args.prefill_lengths:
+        timed = [m for m in methods if m.name in ("ar", "dflash", *PEERS)]
+        prefill = run_prefill(llm, timed, args.prefill_lengths, progress=not args.no_progress)
 
     lookup = llm.speculation if llm.speculation and llm.speculation.lookup_ngram else None
     meta = {
@@ -195,6 +209,8 @@ def run_bench_command(args: argparse.Namespace) -> None:
         "model_path": str(llm.model_path), "draft_model_path": llm.draft_model_path,
         "adaptive_speculation": has_draft and llm.config.adaptive_speculation,
         "quantization": llm.weight_blocks or "none", "tp_size": llm.config.tp_size,
+        "cpu_activations": llm.activations if llm.weight_blocks else None,
+        "draft_quantization": llm.draft_blocks if has_draft else None,
         "tp_communication": llm.tp.stats.snapshot() if llm.tp is not None else None,  # rank 0's, whole run
         "prompt_lookup_ngram": lookup.lookup_ngram if lookup else None,
         "prompt_lookup_block_size": lookup.lookup_width if lookup else None,
@@ -205,7 +221,11 @@ def run_bench_command(args: argparse.Namespace) -> None:
         "date": now_utc(),
     }
     report = build_report(samples, [m.name for m in methods], dflash, args.baseline, params.greedy, meta)
+    if prefill:
+        report["prefill"] = prefill
     print_table(report)
+    if prefill:
+        print_prefill(prefill)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
         print(f"report written to {args.json_path}", file=sys.stderr)

@@ -48,6 +48,14 @@ TOKENIZE_CONCURRENCY = 2  # prompts tokenized at once (each on a worker thread);
 CHARS_PER_TOKEN_BOUND = 16  # text tokenizes to ~4 characters a token; a prefix this long per token suffices
 
 
+def engine_info(llm) -> dict[str, str]:
+    """The labels of blockspec_engine_info: weight blocks ("none": dense), and on the CPU how block weights
+    meet activations ("int8" or "fp32")."""
+    return {"device": str(llm.device), "quantization": llm.weight_blocks or "none",
+            "cpu_activations": llm.activations if llm.weight_blocks else "none",
+            "draft_quantization": llm.draft_blocks or "none"}
+
+
 def create_app(llm, api_key: str | None = None, served_model_name: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                cors_origins: list[str] | None = None, chat_page: bool = True) -> FastAPI:
@@ -55,7 +63,7 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
     and stops with the app. `cors_origins`: browser origins allowed to call it (None: CORS off).
     `chat_page`: serve the chat page at `/`."""
     scheduler = llm.scheduler()
-    metrics = Metrics(llm.block_size)
+    metrics = Metrics(llm.block_size, engine_info(llm))
     engine = AsyncEngine(scheduler, llm.tokenizer, metrics)
     model_name = served_model_name or llm.model_path.name
     algorithm = llm.speculative_algorithm

@@ -51,8 +51,9 @@ def _num(value: float) -> str:
 
 
 class Metrics:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, info: dict[str, str] | None = None) -> None:
         self._lock = threading.Lock()
+        self.info = info or {}  # how the engine runs (weights, activations): one labelled gauge
         self.requests: dict[str, int] = {}  # finish_reason ("stop", "length", "abort", "error") -> count
         self.http_errors: dict[int, int] = {}  # status -> count (rejected before reaching the engine)
         self.prompt_tokens = 0
@@ -98,7 +99,10 @@ class Metrics:
 
     def render(self) -> str:
         with self._lock:
-            lines = ["# HELP blockspec_requests_total Finished requests by finish reason",
+            labels = ",".join(f'{key}="{value}"' for key, value in self.info.items())
+            lines = ["# HELP blockspec_engine_info How the engine holds weights and meets activations",
+                     "# TYPE blockspec_engine_info gauge", f"blockspec_engine_info{{{labels}}} 1",
+                     "# HELP blockspec_requests_total Finished requests by finish reason",
                      "# TYPE blockspec_requests_total counter"]
             for reason, count in sorted(self.requests.items()):
                 lines.append(f'blockspec_requests_total{{finish_reason="{reason}"}} {count}')
