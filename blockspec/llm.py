@@ -76,6 +76,7 @@ class LLM:
         self.device, self.dtype = (cfg.device if self.tp is None else self.tp.device), cfg.dtype
         embedded = cfg.model_path is None
         self.weight_blocks = cfg.weight_blocks(embedded)  # None: dense weights
+        self.activations = cfg.activations if self.weight_blocks is not None else "fp32"
         self.model_path = self.target_folder(cfg)
         draft_path = cfg.draft_model_path
         if draft_path is None and cfg.model_path is None and cfg.speculative_algorithm != "NONE" \
@@ -98,12 +99,15 @@ class LLM:
                 f"max_position_embeddings={target_cfg.max_position_embeddings}; lower it.")
         self.tokenizer = Tokenizer.from_folder(self.model_path)
         self.draft = None
+        self.draft_blocks = cfg.draft_blocks(self.weight_blocks) if draft_path is not None else None
         if draft_path is not None:
             self.draft = load_draft(
                 draft_path, target_cfg, self.dtype, self.device, self.tokenizer.token_to_id,
                 cli_block_size=cfg.block_size, cli_mask_token=cfg.mask_token,
-                cli_mask_token_id=cfg.mask_token_id,
+                cli_mask_token_id=cfg.mask_token_id, quantization=self.draft_blocks,
             )
+            if self.activations == "int8":
+                self.draft.use_int8_activations()
         self.speculative_algorithm = "DFLASH" if self.draft is not None else "NONE"
         self.speculation = None
         if self.draft is not None:
@@ -116,12 +120,15 @@ class LLM:
         self.target = load_target(self.model_path, self.dtype, self.device, self.weight_blocks, gguf,
                                   self.tp)
         self.target.fold_norm_weights()
+        if self.activations == "int8":
+            self.target.use_int8_activations()
         slab_len = self.max_model_len + (self.speculation.step_width if self.speculation else 1)
         for model in (self.target, self.draft):
             if model is not None:
                 model.rotary.ensure(slab_len)
         self.runner = ModelRunner(self.target, self.draft, cfg.max_num_seqs, slab_len,
-                                  self.speculation.row_counts if self.speculation else ())
+                                  self.speculation.row_counts if self.speculation else (),
+                                  prefix_caching=cfg.prefix_caching)
         # No thread count given: on the CPU compute with the CPUs other processes leave free (cpu_load.py)
         adapt = cfg.threads is None and self.device.type == "cpu" and self.tp is None
         threads = LoadAwareThreads.for_this_process() if adapt else None
@@ -168,8 +175,17 @@ class LLM:
         if self.mirror is not None and self.tp.rank == 0:
             self.mirror.record(name, value)
 
-    def scheduler(self, speculative_algorithm: str | None = None) -> Scheduler:
-        """A continuous-batching scheduler over this LLM's engine, decoding with DFlash or plainly."""
+    def clear_prefix_cache(self) -> None:
+        """Forget every computed prefix the cache holds (a cold start)."""
+        self.runner.prefix_cache.clear()
+        if self.mirror is not None and self.tp.rank == 0:
+            self.mirror.record("clear_prefix_cache")
+
+    def scheduler(self, speculative_algorithm: str | None = None,
+                  prefix_caching: bool | None = None) -> Scheduler:
+        """A continuous-batching scheduler over this LLM's engine, decoding with DFlash or plainly;
+        `prefix_caching` False: it neither reuses nor keeps computed prefixes (None: the LLM's setting).
+        Every scheduler shares the LLM's prefix cache: prefixes carry over from call to call."""
         if self.__dict__.get("_closed"):
             raise BlockspecError("This tensor-parallel LLM was closed (its ranks stopped); build a new one.")
         algorithm = (speculative_algorithm or self.speculative_algorithm).upper()
@@ -182,9 +198,10 @@ class LLM:
         if self.mirror is not None and self.tp.rank == 0:  # the other ranks make its twin
             self._schedulers += 1
             mirror = (self.mirror, self._schedulers)
-            self.mirror.record("scheduler", self._schedulers, algorithm)
+            self.mirror.record("scheduler", self._schedulers, algorithm, prefix_caching)
         return Scheduler(self.runner, self.decoders[algorithm], self.config.max_total_tokens,
-                         self.config.prefill_tokens_per_step, self.config.prefill_decode_ratio, mirror)
+                         self.config.prefill_tokens_per_step, self.config.prefill_decode_ratio, mirror,
+                         prefix_caching)
 
     def sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """A request, its prompt checked against the vocabulary and the context length."""
@@ -236,8 +253,9 @@ class LLM:
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                speculative_algorithm: str | None = None,
                should_stop: Callable[[], bool] | None = None) -> Iterator[StreamDelta]:
-        """Generate for one prompt, yielding each engine step's new tokens and text as they are committed;
-        the last delta holds the whole `RequestOutput`. `should_stop` is asked between steps: when it says
+        """Generate for one prompt, yielding each engine step's new tokens and text as they are committed
+        (with their sources, and the text token by token in `pieces`); the last delta holds the whole
+        `RequestOutput`. `should_stop` is asked between steps: when it says
         so the request ends there (finish_reason "abort") with what it has. Closing the iterator early also
         stops the request between two steps and frees its KV slot (without a last delta)."""
         scheduler = self.scheduler(speculative_algorithm)
@@ -251,16 +269,17 @@ class LLM:
                     scheduler.abort(seq.seq_id)
                 else:
                     scheduler.step()
-                piece = follow_text(scheduler, seq, text)
-                if len(seq.output_ids) > sent or piece:
-                    yield StreamDelta(piece, seq.output_ids[sent:], seq.token_sources[sent:])
+                pieces = follow_text(scheduler, seq, text)
+                if len(seq.output_ids) > sent or pieces:
+                    yield StreamDelta("".join(p.text for p in pieces), seq.output_ids[sent:],
+                                      seq.token_sources[sent:], pieces)
                     sent = len(seq.output_ids)
         finally:
             if not seq.finished:
                 scheduler.abort(seq.seq_id)
         if seq.finish_reason == "error":
             raise RequestError(f"The request failed: {seq.error}")
-        yield StreamDelta("", [], [], self._output(seq, scheduler, text))
+        yield StreamDelta("", [], [], [], self._output(seq, scheduler, text))
 
     def chat(
         self,

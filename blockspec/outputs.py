@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from blockspec.engine.sampler import TokenLogprob
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.stats import RequestStats
+from blockspec.engine.text_stream import Piece
 
 
 @dataclass
@@ -21,8 +22,10 @@ class RequestOutput:
     time_to_first_token_s: float
     decode_time_s: float
     stats: RequestStats
-    # Per output token: "draft" / "lookup" (a candidate the target verified) or "target" (its own token).
-    token_sources: list[str] = field(default_factory=list)
+    # Per output token: (where it came from: "draft" or "lookup", a candidate the target verified, or
+    # "target", its own token; the decode step that committed it)
+    token_sources: list[tuple[str, int]] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not prefilled)
     # With SamplingParams(logprobs=k): per output token, its log-probability and the k best under the target.
     logprobs: list[TokenLogprob] | None = None
 
@@ -48,11 +51,13 @@ class RequestOutput:
 @dataclass
 class StreamDelta:
     """The tokens one engine step committed for a streamed request and the text they add (text that may
-    begin a stop string is held back until it is known not to); the last delta carries the whole `output`."""
+    begin a stop string is held back until it is known not to), that text token by token with each token's
+    source in `pieces`; the last delta carries the whole `output`."""
 
     text: str
     token_ids: list[int]
-    token_sources: list[str]
+    token_sources: list[tuple[str, int]]
+    pieces: list[Piece] = field(default_factory=list)
     output: RequestOutput | None = None
 
 
@@ -70,5 +75,6 @@ def request_output(seq: Sequence, speculative: bool, block_size: int, text: str)
         decode_time_s=(seq.finish_time - first) if first is not None else 0.0,
         stats=seq.stats,
         token_sources=list(seq.token_sources),
+        cached_tokens=min(seq.cached_tokens, len(seq.prompt_ids)),
         logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
     )

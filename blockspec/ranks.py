@@ -103,7 +103,7 @@ def follow(llm) -> None:
                 if name == "stop":
                     return
                 if name == "scheduler":
-                    schedulers[args[0]] = llm.scheduler(args[1])
+                    schedulers[args[0]] = llm.scheduler(*args[1:])
                 elif name == "add":
                     schedulers[args[0]].add(args[1])
                 elif name == "abort":
@@ -114,6 +114,8 @@ def follow(llm) -> None:
                     llm.set_block_size(args[0])
                 elif name == "tree_budget":
                     llm.set_tree_budget(args[0])
+                elif name == "clear_prefix_cache":
+                    llm.clear_prefix_cache()
     except RuntimeError as exc:  # rank 0 (or another rank) is gone: nothing left to serve
         log.error("tensor-parallel rank %d stops: %s", llm.tp.rank, exc)
     finally:

@@ -1,17 +1,17 @@
-"""The block-quantized kernel on SmolLM2's own GGUF tensors against fp32 F.linear on the same (dequantized)
-weights, per shape and row count: microseconds per call, effective weight bandwidth, and the ratio.
+"""The block kernels on SmolLM2's own GGUF tensors, int8 activations (each instruction-set variant this CPU
+has) against fp32 activations, per shape and row count: microseconds per call and multiply-adds per second.
 
-    PYTHONPATH=. python scripts/quant_kernel_bench.py [--threads 2] [--rows 1,2,4,8,16] [--rounds 30]
+    PYTHONPATH=. python scripts/quant_kernel_bench.py [--threads 2] [--rows 1,2,5,9,17,33,64] [--rounds 30]
 
-Each call takes the next layer's tensor (30 layers round robin), so the weights come from memory, not the
-cache, as in a decode step; the two methods alternate call by call; medians."""
+Each call takes the next layer's tensor (30 layers round robin), so the weights come from memory or the last
+level of cache as in a step, not from L1; the forms alternate call by call; medians. Prints a markdown table.
+"""
 
 import argparse
 import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from blockspec.layers.quant import kernels
 from blockspec.models.default_model import gguf_path
@@ -23,6 +23,7 @@ SHAPES = {  # HF tensor name pattern -> label
     "model.layers.{}.mlp.gate_proj.weight": "gate_proj 1536x576",
     "model.layers.{}.mlp.down_proj.weight": "down_proj 576x1536",
 }
+VARIANT_NAMES = {1: "portable", 2: "AVX2", 3: "AVX-VNNI", 4: "AVX512-VNNI"}
 
 
 def timed(fn) -> float:
@@ -34,32 +35,38 @@ def timed(fn) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rows", default="1,2,4,8,16")
+    parser.add_argument("--rows", default="1,2,5,9,17,33,64")
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     checkpoint = GGUFCheckpoint(gguf_path())
     op = kernels()
-    print(f"threads={args.threads}  (median us per call; GB/s = weight bytes read per call / time)")
-    print(f"{'tensor':<22}{'type':>6}{'rows':>5}{'blocks us':>11}{'GB/s':>7}"
-          f"{'fp32 us':>10}{'GB/s':>7}{'speedup':>9}")
-    cases = [(label, [checkpoint.get(pattern.format(i)) for i in range(30)])
-             for pattern, label in SHAPES.items()]
+    variants = [v for v in op.int8_variants() if v > 1]  # the portable path is a reference, not a contender
+    forms = [f"int8 {VARIANT_NAMES[v]}" for v in variants] + ["fp32"]
+    print(f"threads={args.threads}; median us per call (G multiply-adds/s)\n")
+    print("| tensor | type | rows | " + " | ".join(forms) + " | best int8 vs fp32 |")
+    print("|---|---|---|" + "---|" * len(forms) + "---|")
+    cases = [(label, [checkpoint.get(pattern.format(i)) for i in range(30)]) for pattern, label in SHAPES.items()]
     cases.append(("lm_head 49152x576", [checkpoint.get("model.embed_tokens.weight")] * 2))
     for label, tensors in cases:
-        dense = [t.dequantize() for t in tensors]
+        packed = [op.int8_pack(t.data, t.qtype.ggml_id) for t in tensors]
+        n, k = tensors[0].shape
+        qtype = tensors[0].qtype.ggml_id
         for rows in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(rows, tensors[0].cols)
-            ours, theirs = [], []
+            x = torch.randn(rows, k)
+            times: dict[str, list[float]] = {form: [] for form in forms}
             for i in range(args.rounds):
-                blocks, weight = tensors[i % len(tensors)], dense[i % len(dense)]
-                ours.append(timed(lambda: op.quant_matmul(x, blocks.data, blocks.qtype.ggml_id)))
-                theirs.append(timed(lambda: F.linear(x, weight)))
-            a, b = statistics.median(ours[3:]), statistics.median(theirs[3:])
-            quant_bytes, dense_bytes = tensors[0].data.numel(), dense[0].numel() * 4
-            print(f"{label:<22}{tensors[0].qtype.name:>6}{rows:>5}"
-                  f"{a * 1e6:>11.0f}{quant_bytes / a / 1e9:>7.1f}"
-                  f"{b * 1e6:>10.0f}{dense_bytes / b / 1e9:>7.1f}{b / a:>8.2f}x")
+                blocks, pack = tensors[i % len(tensors)], packed[i % len(packed)]
+                for form, variant in zip(forms, variants + [None]):
+                    if variant is None:
+                        times[form].append(timed(lambda: op.quant_matmul(x, blocks.data, qtype)))
+                    else:
+                        times[form].append(timed(lambda: op.int8_matmul(x, pack, qtype, n, None, variant)))
+            med = {form: statistics.median(values[3:]) for form, values in times.items()}
+            cells = [f"{med[f] * 1e6:.0f} ({rows * n * k / med[f] / 1e9:.0f})" for f in forms]
+            best = min(med[f] for f in forms[:-1])
+            print(f"| {label} | {tensors[0].qtype.name} | {rows} | " + " | ".join(cells)
+                  + f" | {med['fp32'] / best:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -197,6 +197,21 @@ def test_hf_baseline_row(tiny) -> None:
     assert report["per_prompt"][0]["hf_tpot_ms"] > 0
 
 
+def test_prefill_lengths_time_the_first_token_of_long_prompts(tiny, capsys) -> None:
+    code, report = bench(tiny, "--baseline", "hf", "--num-prompts", "1", "--prefill-lengths", "60,30",
+                         name="prefill")
+    assert code == 0 and report["cpu_activations"] is None and report["draft_quantization"] is None
+    assert [row["prompt_tokens"] for row in report["prefill"]] == [30, 60]
+    for row in report["prefill"]:
+        assert row["median_ttft_s"].keys() == {"ar", "hf", "dflash"} and row["repetitions"] == 3
+        assert all(len(times) == 3 and min(times) > 0 for times in row["ttft_s"].values())
+        assert row["ar_ttft_ratio_to_hf"] == pytest.approx(row["median_ttft_s"]["ar"] /
+                                                          row["median_ttft_s"]["hf"], rel=0.01)
+    assert "time to first token" in capsys.readouterr().out
+    code, _ = bench(tiny, "--max-model-len", "64", "--prefill-lengths", "64", name="too-long")
+    assert code == 2 and "raise --max-model-len" in capsys.readouterr().err
+
+
 def test_sweep_block_sizes(tiny, capsys) -> None:
     plot = tiny["root"] / "sweep.png"
     code, report = bench(tiny, "--sweep-block-sizes", "2,4,8", "--num-prompts", "2", "--plot", str(plot))

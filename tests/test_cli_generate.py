@@ -11,11 +11,12 @@ from blockspec.models.config import ModelConfig
 from blockspec.errors import BlockspecError, RequestError
 from tests.tiny import write_tiny_draft, write_tiny_target, write_tiny_tokenizer
 
-FIELDS = {  # INTERFACE.md's, plus the rest of the request's statistics (adaptive speculation, prompt lookup)
+FIELDS = {  # INTERFACE.md's, plus the rest of the request's statistics (adaptive speculation, prompt lookup,
+    # the prefix cache, each token's source)
     "text", "token_ids", "num_prompt_tokens", "num_output_tokens", "finish_reason", "speculative_algorithm",
     "block_size", "accept_lengths", "mean_accept_length", "time_to_first_token_s", "decode_tokens_per_s",
     "num_verify_steps", "num_tree_steps", "num_plain_steps", "lookup_accept_lengths", "num_lookup_steps",
-    "lookup_mean_accept_length",
+    "lookup_mean_accept_length", "cached_tokens", "token_sources",
 }
 
 

@@ -22,6 +22,14 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def block_target(tmp_path, qtype: str, activations: str, family: str = "llama"):
+    """A tiny target held as `qtype` blocks, multiplied with fp32 or int8 activations."""
+    target = load_target(write_tiny_target(tmp_path, family), torch.float32, torch.device("cpu"), qtype)
+    if activations == "int8":
+        target.use_int8_activations()
+    return target
+
+
 def test_rms_norm_silu_and_rope_match_torch():
     x, w = torch.randn(3, 5, 576, generator=gen(0)), torch.randn(576, generator=gen(1))
     want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
@@ -89,11 +97,12 @@ def test_attention_is_batch_invariant_bitwise():
         assert torch.equal(block[:, i], alone[:, 0])
 
 
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_quantized_target_hidden_states_are_batch_invariant(tmp_path, family):
+def test_quantized_target_hidden_states_are_batch_invariant(tmp_path, family, activations):
     """Every op on a block-held target's CPU path keeps each row's order fixed: a token's last-layer hidden
     state decoded alone equals, bit for bit, the same token's row in 2-, 5- and 16-token verify blocks."""
-    target = load_target(write_tiny_target(tmp_path, family), torch.float32, torch.device("cpu"), "q8_0")
+    target = block_target(tmp_path, "q8_0", activations, family)
     cache = KVCache.for_model(target, 1, 64)
     tokens = torch.randint(3, target.config.vocab_size, (1, 40), generator=gen(4))
     with torch.inference_mode():
@@ -106,11 +115,12 @@ def test_quantized_target_hidden_states_are_batch_invariant(tmp_path, family):
                 assert torch.equal(block[0, i], alone[i]), (n, i)
 
 
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_a_tree_node_is_the_same_bits_as_its_path_decoded_alone(tmp_path, family):
+def test_a_tree_node_is_the_same_bits_as_its_path_decoded_alone(tmp_path, family, activations):
     """In a tree's verify pass a node's keys (context and ancestors) sit among other branches' rows; its
     last-layer hidden state still equals, bit for bit, its path's last token decoded alone."""
-    target = load_target(write_tiny_target(tmp_path, family), torch.float32, torch.device("cpu"), "q8_0")
+    target = block_target(tmp_path, "q8_0", activations, family)
     cache = KVCache.for_model(target, 1, 64)
     context = torch.randint(3, target.config.vocab_size, (1, 20), generator=gen(5))
     # root 0; 1, 2 under it; 3 under 2; 4 under 1; 5 under 3; 6 under 4
@@ -144,10 +154,11 @@ def test_fused_forward_matches_the_torch_ops(tmp_path, monkeypatch):
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
 
 
-def test_layer_stack_op_equals_the_python_layers_bitwise(tmp_path):
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_layer_stack_op_equals_the_python_layers_bitwise(tmp_path, activations):
     """A block-held Llama runs its layers as one op (blockspec/kernels/layer_stack.cpp): the same ops in the
     same order as the Python layers, so the same bits, captured features included."""
-    target = load_target(write_tiny_target(tmp_path), torch.float32, torch.device("cpu"), "q4_1")
+    target = block_target(tmp_path, "q4_1", activations)
     assert target.block_stack() is not None
     tokens = torch.randint(3, target.config.vocab_size, (2, 12), generator=gen(6))
     last = len(target.layers) - 1
@@ -162,3 +173,57 @@ def test_layer_stack_op_equals_the_python_layers_bitwise(tmp_path):
         target.__dict__["_block_stack"] = None  # the Python layers, same fused ops
         layered = run()
     assert torch.equal(stacked[0], layered[0]) and torch.equal(stacked[1], layered[1])
+
+
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_a_prompt_is_the_same_bits_in_any_chunking(tmp_path, activations):
+    """Prefill is chunk-invariant: a 40-token prompt in one chunk, in chunks of 16 + 24, beside another
+    sequence, or token by token leaves the same K/V bits in the cache and the same last hidden state (what
+    makes a prefix-cache hit, a batched request and a request alone give the same tokens)."""
+    target = block_target(tmp_path, "q4_1", activations)
+    tokens = torch.randint(3, target.config.vocab_size, (2, 40), generator=gen(7))
+
+    def prefill(chunks: list[int], batched: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cache = KVCache.for_model(target, 2, 48)
+        start = 0
+        for size in chunks:
+            rows = slice(0, 2) if batched else slice(0, 1)
+            hidden, _ = target(ForwardBatch.in_cache(cache, [0, 1][rows], [start, start][rows],
+                                                     tokens[rows, start : start + size]))
+            start += size
+        return hidden[0, -1], cache.k_layers[-1][0, :, :40].clone(), cache.v_layers[-1][0, :, :40].clone()
+
+    with torch.inference_mode():
+        want = prefill([40], False)
+        for chunks, batched in (([16, 24], False), ([40], True), ([1] * 40, False), ([5, 35], True)):
+            got = prefill(chunks, batched)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (chunks, batched)
+
+
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_a_block_held_draft_runs_as_one_op_with_the_python_layers_bits(tmp_path, activations):
+    """A draft held as Q8_0 blocks drafts its block through the layer-stack op (per-head q/k norms, a
+    non-causal block) and writes its context through `draft_context`: the same bits as its Python layers."""
+    from blockspec.models.loader import load_draft
+    from tests.tiny import tiny_target_with_draft
+
+    target, cfg, folder = tiny_target_with_draft(tmp_path, "llama-q4_1", torch.device("cpu"), 4)
+    draft = load_draft(folder, cfg, torch.float32, torch.device("cpu"), quantization="q8_0")
+    if activations == "int8":
+        draft.use_int8_activations()
+    draft.use_target_embedding(target.embed_tokens)
+    assert draft.block_stack() is not None and draft.context_stack() is not None
+    features = torch.randn(2, 7, len(draft.config.target_layer_ids) * cfg.hidden_size, generator=gen(8))
+    block = torch.randint(3, cfg.vocab_size, (2, 4), generator=gen(9))
+
+    def run() -> tuple[torch.Tensor, ...]:
+        cache = KVCache.for_model(draft, 2, 16)
+        draft.inject(features, ForwardBatch.in_cache(cache, [1, 0], [0, 0], num_new=7))
+        hidden = draft(ForwardBatch.in_cache(cache, [1, 0], [7, 7], block, among_new="all"))
+        return hidden, *(layer[:2, :, :11] for layer in (*cache.k_layers, *cache.v_layers))  # rows written
+
+    with torch.inference_mode():
+        fused = run()
+        draft.__dict__["_block_stack"] = draft.__dict__["_context_stack"] = None  # the Python layers
+        layered = run()
+    assert all(torch.equal(a, b) for a, b in zip(fused, layered))

@@ -311,8 +311,8 @@ def test_disconnect_storm_leaks_no_kv(server, monkeypatch):
     state = wait_idle(server)
     assert state["num_running_requests"] == 0 and state["num_waiting_requests"] == 0
     assert state["kv_tokens_used"] == 0 and state["kv_slots_free"] == state["kv_slots_total"]
-    pool = server["app"].state.llm.runner.pool
-    assert pool.num_free == pool.num_slots
+    runner = server["app"].state.llm.runner  # every slot is free or a prefix-cache entry's
+    assert runner.pool.num_free + len(runner.prefix_cache.entries) == runner.pool.num_slots
     assert counter(server, 'blockspec_requests_total{finish_reason="abort"}') - aborted == 17
     assert health(server)["status"] == "ok"
 
@@ -326,6 +326,8 @@ def test_metrics_exposition(server, client):
                  "blockspec_step_latency_seconds_bucket", "blockspec_kv_tokens_used ",
                  "blockspec_preemptions_total "):
         assert name in text, name
+    assert ('blockspec_engine_info{device="cpu",quantization="none",cpu_activations="none",'
+            'draft_quantization="none"} 1') in text
 
 
 def test_serve_cli_errors(capsys):

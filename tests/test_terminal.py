@@ -80,6 +80,8 @@ def test_no_prompt_says_which_it_uses(monkeypatch, capsys):
 def test_json_stays_one_object(tiny):
     out = cli(tiny, "hello", "--json")
     assert out.returncode == 0 and json.loads(out.stdout)["num_output_tokens"] <= 24
+    got = json.loads(out.stdout)
+    assert len(got["token_sources"]) == got["num_output_tokens"] and got["cached_tokens"] == 0
 
 
 def test_color_marks_the_sources_and_keeps_the_text(tiny):
@@ -93,11 +95,23 @@ def test_painter_stops_where_the_text_does(llm):
     """With a stop string the coloured answer ends exactly where the plain one does."""
     params = SamplingParams(max_tokens=30, stop=["e"])
     colored, plain = io.StringIO(), io.StringIO()
-    painters = [Painter(llm.tokenizer, True, colored), Painter(llm.tokenizer, False, plain)]
+    painters = [Painter(True, colored), Painter(False, plain)]
     for delta in llm.stream("stop test", params):
         for painter in painters:
             painter.add(delta)
+        assert "".join(p.text for p in delta.pieces) == delta.text
     assert ANSI.sub("", colored.getvalue()) == plain.getvalue() == delta.output.text
+
+
+def test_stream_pieces_carry_the_token_sources(llm):
+    """A stream's deltas carry the engine's (source, step) per token, and its pieces spell the text."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    deltas = list(llm.stream("abcabcabcabc abcabc", params))
+    out = deltas[-1].output
+    tokens = [(s, step) for d in deltas for s, step in d.token_sources]
+    assert tokens == out.token_sources and len(out.token_sources) == len(out.token_ids)
+    assert {s for s, _ in out.token_sources} <= {"draft", "lookup", "target"}
+    assert "".join(p.text for d in deltas for p in d.pieces) == out.text
 
 
 def test_a_stream_stops_between_steps_with_what_it_has(llm):
@@ -108,7 +122,7 @@ def test_a_stream_stops_between_steps_with_what_it_has(llm):
     out = deltas[-1].output
     assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 60
     assert out.text == "".join(d.text for d in deltas)
-    assert llm.runner.pool.num_free == llm.runner.pool.num_slots  # its KV slot came back
+    assert llm.runner.slots_available == llm.runner.pool.num_slots  # its slot came back (free or cached)
     whole = llm.generate("hello there", SamplingParams(max_tokens=60, ignore_eos=True))[0]
     assert whole.token_ids[: len(out.token_ids)] == out.token_ids
 
@@ -157,6 +171,7 @@ def converse(tiny, lines: list[str], timeout: float = 120.0) -> str:
 def test_chat_holds_a_conversation(tiny):
     shown = converse(tiny, ["hello", "and again", "/clear", "fresh start", "/exit"])
     assert shown.count("tok/s decode") == 3  # a statistics line per answer
+    assert "prompt tokens cached" in shown  # the second turn reuses the first's KV (the prefix cache)
     assert "(the conversation starts over)" in shown and "/clear starts over" in shown
 
 

@@ -119,6 +119,9 @@ class ScriptedGovernor:
         self.step += 1
         return self.script[(self.step - 1) % len(self.script)]
 
+    def lookup_pays(self, seqs, width) -> bool:
+        return True  # every row copies: verify the copies, as without a governor
+
     def mix(self, seqs, copied, shape, width) -> bool:
         """The same script decides whether a batch where only some rows have a lookup match takes a mixed
         step."""
@@ -137,13 +140,15 @@ class TinyEngine:
 
     def __init__(self, target, draft, block_size: int, num_slots: int, max_len: int,
                  lookup: tuple[int, int] = (0, 0), governor=None, tree: tuple[int, int, str] = (0, 4,
-                                                                                   "best-first")) -> None:
+                                                                                   "best-first"),
+                 prefix_caching: bool = False) -> None:
         from blockspec.engine.runner import ModelRunner
         from blockspec.speculative.decoder import Decoder
         from blockspec.speculative.plan import Speculation
 
         self.speculation = Speculation(block_size, draft.config.mask_token_id, *lookup, *tree)
-        self.runner = ModelRunner(target, draft, num_slots, max_len, self.speculation.row_counts)
+        self.runner = ModelRunner(target, draft, num_slots, max_len, self.speculation.row_counts,
+                                  prefix_caching=prefix_caching)
         self.dflash = Decoder(self.runner, self.speculation, governor)
         self.plain = Decoder(self.runner)
 

@@ -54,6 +54,10 @@ def _block_sizes(text: str) -> list[int]:
     return _integers(text, 2, "block sizes", "2,4,8,16")
 
 
+def _prefill_lengths(text: str) -> list[int]:
+    return _integers(text, 1, "prompt lengths", "500,2000")
+
+
 def _tree_budgets(text: str) -> list[int]:
     return _integers(text, 0, "tree budgets", "0,4,8,16")
 
@@ -86,6 +90,9 @@ def register(sub) -> None:
                    help="run DFlash with candidate trees of each budget (0: the chain) at the block size "
                         "given (one table, one plot); the engine is built with the largest (default: "
                         "--speculative-tree-budget alone)")
+    p.add_argument("--prefill-lengths", type=_prefill_lengths, default=None, metavar="500,2000",
+                   help="also time the first token of prompts this long (reference text), every method, "
+                        "interleaved; the JSON's `prefill` (default: none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_sampling_args(p)
     add_model_args(p)
@@ -101,6 +108,14 @@ def register(sub) -> None:
     p.add_argument("--concurrency", default="1,4,8,16",
                    help="requests kept in flight, a comma-separated list of levels to measure")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="the prefix cache on two-turn conversations (mt-bench or a PATH.jsonl): turn 2 "
+                        "sent with turn 1's real answer, its time to first token with the cache and "
+                        "without, interleaved (--concurrency is not used)")
+    p.add_argument("--shared-prefix", type=int, default=None, metavar="N",
+                   help="the prefix cache on one system prompt of N tokens before each of the dataset's "
+                        "--num-prompts shortest questions: throughput, median TTFT and hit rate with the "
+                        "cache and without, at each --concurrency (default: not run)")
     p.add_argument("--json", default=None, help="write the report here (default: the table only)")
     add_serving_args(p, default_running=0)  # 0: as many slots as the highest concurrency
     add_model_args(p)
@@ -111,7 +126,8 @@ def run_bench_command(args: argparse.Namespace) -> None:
     from blockspec.bench.datasets import load_dataset, select_subset
     from blockspec.bench.report import (build_report, command_line, machine_info, now_utc, print_table,
                                         write_plot)
-    from blockspec.bench.runner import EngineMethod, HFMethod, run_bench
+    from blockspec.bench.prefill import check_lengths, print_prefill, run_prefill
+    from blockspec.bench.runner import PEERS, EngineMethod, HFMethod, run_bench
     from blockspec.llm import LLM
 
     params = sampling_from_args(args)
@@ -138,7 +154,9 @@ def run_bench_command(args: argparse.Namespace) -> None:
                                  "the budgets at one --block-size.")
         args.speculative_tree_budget = max(args.sweep_tree_budgets)  # slabs sized for the largest tree
 
-    llm = LLM(EngineConfig.from_args(args, max_num_seqs=1))
+    # No prefix cache: the methods run the same prompts back to back, and the later one would be handed the
+    # earlier one's prefill (bench-serving --multi-turn / --shared-prefix measure the cache).
+    llm = LLM(EngineConfig.from_args(args, max_num_seqs=1, prefix_caching=False))
     has_draft = llm.draft is not None
     if not has_draft:
         if args.baseline == "none" or args.sweep_block_sizes or args.sweep_tree_budgets or args.plot:
@@ -175,8 +193,14 @@ def run_bench_command(args: argparse.Namespace) -> None:
             dflash.append((name, size, budget))
     checks = [(name, "ar") for name, *_ in dflash] if args.baseline != "none" else []
 
+    if args.prefill_lengths:
+        check_lengths(args.prefill_lengths, llm.max_model_len)
     samples = run_bench(llm, prompts, methods, params, args.multi_turn, checks,
                         progress=not args.no_progress)
+    prefill = None
+    if args.prefill_lengths:
+        timed = [m for m in methods if m.name in ("ar", "dflash", *PEERS)]
+        prefill = run_prefill(llm, timed, args.prefill_lengths, progress=not args.no_progress)
 
     lookup = llm.speculation if llm.speculation and llm.speculation.lookup_ngram else None
     meta = {
@@ -190,6 +214,8 @@ def run_bench_command(args: argparse.Namespace) -> None:
         "model_path": str(llm.model_path), "draft_model_path": llm.draft_model_path,
         "adaptive_speculation": has_draft and llm.config.adaptive_speculation,
         "quantization": llm.weight_blocks or "none", "tp_size": llm.config.tp_size,
+        "cpu_activations": llm.activations if llm.weight_blocks else None,
+        "draft_quantization": llm.draft_blocks if has_draft else None,
         "tp_communication": llm.tp.stats.snapshot() if llm.tp is not None else None,  # rank 0's, whole run
         "prompt_lookup_ngram": lookup.lookup_ngram if lookup else None,
         "prompt_lookup_block_size": lookup.lookup_width if lookup else None,
@@ -200,7 +226,11 @@ def run_bench_command(args: argparse.Namespace) -> None:
         "date": now_utc(),
     }
     report = build_report(samples, [m.name for m in methods], dflash, args.baseline, params.greedy, meta)
+    if prefill:
+        report["prefill"] = prefill
     print_table(report)
+    if prefill:
+        print_prefill(prefill)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
         print(f"report written to {args.json_path}", file=sys.stderr)

@@ -14,6 +14,7 @@ from typing import Callable, TypeVar
 
 import torch
 
+from blockspec.engine.prefix_cache import Entry, PrefixCache
 from blockspec.engine.sampler import next_token
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.slots import SlotPool
@@ -45,15 +46,19 @@ def guarded(seq: Sequence, work: Callable[[], T]) -> T | None:
 
 class ModelRunner:
     def __init__(self, target: CausalLM, draft: DFlashDraft | None, num_slots: int, max_len: int,
-                 row_counts: tuple[int, ...] = (), prefill_chunk: int = 512) -> None:
+                 row_counts: tuple[int, ...] = (), prefill_chunk: int = 512,
+                 prefix_caching: bool = False) -> None:
         """`row_counts`: the rows per sequence its verify and draft passes will run (block size, lookup
-        width), for which the CPU weight layouts are tuned."""
+        width), for which the CPU weight layouts are tuned. `prefix_caching`: schedulers keep finished
+        requests' slots as prefix-cache entries (engine/prefix_cache.py) unless they say otherwise."""
         self.target, self.draft = target, draft
         self.max_len, self.prefill_chunk = max_len, prefill_chunk
         self.pool = SlotPool(num_slots)
         self.target_cache = KVCache.for_model(target, num_slots, max_len)
         self.draft_cache = KVCache.for_model(draft, num_slots, max_len) if draft is not None else None
         self.capture = tuple(draft.config.target_layer_ids) if draft is not None else ()
+        token_bytes = sum(c.token_bytes for c in (self.target_cache, self.draft_cache) if c is not None)
+        self.prefix_cache = PrefixCache(self.pool, token_bytes, prefix_caching)
         self.device = target.device
         self.tp = target.tp  # tensor parallelism's group (None: one rank)
         if draft is not None and draft.embed_tokens is None:
@@ -70,9 +75,9 @@ class ModelRunner:
         if self.tp is not None:
             return  # timing passes would run collectives outside the ranks' lock-step: stored forms
         position = min(256, self.max_len - max((DEFAULT_PROBE_ROWS, *row_counts)))  # a typical context
-        if self.pool.num_free == 0 or position < 0:
+        if self.slots_available == 0 or position < 0:
             return  # no free scratch slot to time in (set mid-generation): keep the last plan
-        slot = self.pool.allocate()
+        slot = self.take_slot()
 
         @torch.inference_mode()
         def run(rows: int) -> None:
@@ -90,8 +95,19 @@ class ModelRunner:
             self.pool.free(slot)
 
     # ---- slots --------------------------------------------------------------------------------------
+    @property
+    def slots_available(self) -> int:
+        """Slots a request can have: free ones and prefix-cache entries' (evicted for it)."""
+        return self.pool.num_free + len(self.prefix_cache.entries)
+
+    def take_slot(self, keep: Entry | None = None) -> int:
+        """The lowest free slot, or else the least recently used cache entry's (never `keep`'s)."""
+        if not self.pool.num_free:
+            self.prefix_cache.evict_lru(keep)
+        return self.pool.allocate()
+
     def admit(self, seq: Sequence) -> None:
-        seq.slot = self.pool.allocate()
+        seq.slot = self.take_slot()
 
     def release(self, seq: Sequence) -> None:
         if seq.slot >= 0:
@@ -104,13 +120,26 @@ class ModelRunner:
         """Move sequences holding a slot >= len(seqs) into the free slots below, so the running slots are
         0..len(seqs)-1 and a slot-ordered batch reads its K/V as a view, not a gather of every row per
         layer per step. Costs one copy of a moved sequence's K/V, once, when a sequence below it leaves."""
+        caches = [cache for cache in (self.target_cache, self.draft_cache) if cache is not None]
         for seq in seqs:
-            if seq.slot >= len(seqs):
+            if seq.slot < len(seqs):
+                continue
+            low = self.pool.lowest_free
+            if low is not None and low < len(seqs):
                 slot = self.pool.allocate()  # the lowest free slot, below len(seqs)
-                for cache in (self.target_cache, self.draft_cache):
-                    if cache is not None:
-                        cache.move(seq.slot, slot, seq.num_cached)
+                for cache in caches:
+                    cache.move(seq.slot, slot, seq.num_cached)
                 self.pool.free(seq.slot)
+                seq.slot = slot
+                continue
+            # A cache entry holds the slot below: the two trade places (the entry's rows move up).
+            entry = min((e for e in self.prefix_cache.entries.values() if e.slot < len(seqs)),
+                        key=lambda e: e.slot, default=None)
+            if entry is not None:
+                for cache in caches:
+                    cache.swap(seq.slot, entry.slot, seq.num_cached, entry.ready)
+                slot = entry.slot
+                self.prefix_cache.relocate(entry, seq.slot)
                 seq.slot = slot
 
     # ---- forward passes -------------------------------------------------------------------------------
@@ -200,6 +229,20 @@ class ModelRunner:
         batch = ForwardBatch.in_cache(self.draft_cache, slots(seqs), [s.num_cached for s in seqs], block,
                                       among_new="all")
         return self.draft(batch)[:, 1:]
+
+    def feed_draft(self, seqs: list[Sequence]) -> None:
+        """Inject every row's unfed target features into the draft's cache (the draft catches up on what
+        plain and lookup steps committed): one pass per distinct backlog length (usually one: a batch takes
+        plain steps together)."""
+        by_length: dict[int, list[Sequence]] = {}
+        for seq in seqs:
+            if seq.unfed_features:
+                by_length.setdefault(len(seq.unfed_features), []).append(seq)
+        for n, group in by_length.items():
+            features = torch.stack([torch.stack(s.unfed_features) for s in group])  # [g, n, K*H]
+            self.inject(group, features, [s.num_cached - n for s in group])
+            for seq in group:
+                seq.unfed_features.clear()
 
     def inject(self, seqs: list[Sequence], features: torch.Tensor, starts: list[int]) -> None:
         """Write the draft's context K/V for target features [b, n, K*H] at positions starts[i].. ."""

@@ -2,7 +2,8 @@
 
 Policy (one step = `Scheduler.step`):
 
-1. Retire: finished or aborted requests give their slot back at once.
+1. Retire: finished or aborted requests give their slot back at once (with prefix caching, as a cache
+   entry that keeps its K/V: engine/prefix_cache.py).
 2. Make room: the KV budget is counted in tokens, one token = one row in the target cache *and* one
    in the draft cache (they share the slot space), so one budget covers both. A running request
    holds `num_cached + width` tokens, where width is the rows its next step may write (the decoder's
@@ -13,10 +14,14 @@ Policy (one step = `Scheduler.step`):
    goes back to the *front* of the queue. It keeps every token it has generated; when readmitted it
    recomputes the KV of prompt + output[:-1] (`ModelRunner.prefill`) and resumes from its pending token,
    so nothing is lost, re-sampled or emitted twice. The oldest request is never preempted for a
-   younger one, so every request finishes (no livelock).
+   younger one, so every request finishes (no livelock). Prefix-cache entries count against the budget
+   too and go first (least recently used), before any request is preempted.
 3. Admit: first come, first served, while a slot is free (`--max-running-requests` slots) and the
    head of the queue fits in the budget; a request that does not fit blocks those behind it
-   (no overtaking, so long prompts are not starved).
+   (no overtaking, so long prompts are not starved). A cache entry's slot counts as free (it is
+   evicted for the request), so the cache never holds a request back. An admitted request reuses the
+   longest prefix of its ids an entry or a running request holds (engine/prefix_reuse.py) and
+   prefills only the rest.
 4. Prefill: up to `prefill_tokens_per_step` prompt tokens per step, split into chunks across the
    requests being prefilled (oldest first); rows of similar chunk length share one padded forward.
    A long prompt thus takes several steps while the others keep decoding. Fairly: while requests
@@ -25,9 +30,11 @@ Policy (one step = `Scheduler.step`):
    over its context (at least MIN_PREFILL_CHUNK), so a long prompt's arrival delays the running streams
    by about two decode steps per step, not by a whole prompt's compute.
    (Padding rows are scratch inside the slab, like a rejected draft tail, and are not counted against
-   the budget.)
+   the budget.) A request whose prefix an older request is prefilling waits for it and copies its rows
+   as they come, so requests with one system prompt compute it once.
 5. Compact: requests that finished at prefill leave, and running requests above a freed slot move
-   down into it (`ModelRunner.compact`, one copy of their K/V), so the decode batch, in slot order,
+   down into it (`ModelRunner.compact`, one copy of their K/V; a cache entry in the way trades places
+   with them), so the decode batch, in slot order,
    is a contiguous slot range whose K/V every layer reads as a view instead of a gather.
 6. Decode: one step of the decoder (blockspec/speculative/decoder.py: a batched draft forward and one
    batched target verify, or a plain decode forward) for every request past prefill, including those
@@ -46,6 +53,7 @@ from collections import deque
 from typing import Callable, Protocol
 
 from blockspec.engine.mirror import Mirror
+from blockspec.engine.prefix_reuse import PrefixReuse, prefill_order
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
 from blockspec.errors import RequestError
@@ -76,11 +84,14 @@ class Scheduler:
         prefill_tokens_per_step: int | None = None,
         prefill_decode_ratio: float | None = None,
         mirror: tuple[Mirror, int] | None = None,
+        prefix_caching: bool | None = None,
     ) -> None:
         """`prefill_decode_ratio`: while requests decode, prefill tokens per step per decoded row (None:
         DEFAULT_PREFILL_DECODE_RATIO; 0: no sharing, every step prefills prefill_tokens_per_step).
         `mirror`: on tensor-parallel rank 0, the channel its adds, aborts and steps go through to the other
-        ranks' copies of this scheduler, and this scheduler's number there (engine/mirror.py)."""
+        ranks' copies of this scheduler, and this scheduler's number there (engine/mirror.py).
+        `prefix_caching`: reuse computed prefixes and keep finished requests' (engine/prefix_cache.py);
+        None: the runner's setting."""
         self.runner, self.decoder = runner, decoder
         self.mirror = mirror
         self.width = decoder.step_width
@@ -101,6 +112,9 @@ class Scheduler:
         # prefilling seq_id -> the ids to prefill (progress: its num_cached)
         self._prefill_ids: dict[int, list[int]] = {}
         self.num_preemptions = 0
+        self.cache = runner.prefix_cache
+        enabled = self.cache.enabled if prefix_caching is None else bool(prefix_caching)
+        self.reuse = PrefixReuse(runner, decoder.speculative, enabled, self._prefill_ids)
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -180,12 +194,13 @@ class Scheduler:
     def _retire(self) -> None:
         for seq in self.running:
             if seq.finished:
-                self.runner.release(seq)
+                self.reuse.leave(seq)  # kept as a prefix-cache entry, or freed
                 self._prefill_ids.pop(seq.seq_id, None)
         self.running = [s for s in self.running if not s.finished]
 
     def _make_room(self) -> None:
         total = self.tokens_in_use
+        self.cache.trim(self.max_total_tokens - total)  # cache entries go before any request is preempted
         while total > self.max_total_tokens and len(self.running) > 1:
             victim = max(self.running, key=lambda s: (s.arrival_time, s.seq_id))
             total -= self._holding(victim)
@@ -195,13 +210,14 @@ class Scheduler:
         self.runner.release(seq)
         self.running = [s for s in self.running if s.seq_id != seq.seq_id]
         self._prefill_ids.pop(seq.seq_id, None)
+        self.reuse.awaiting.discard(seq.seq_id)
         seq.num_cached = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def _admit(self) -> None:
         in_use = self.tokens_in_use
-        while self.waiting and self.runner.pool.num_free:
+        while self.waiting and self.runner.slots_available:
             seq = self.waiting[0]
             # A resumed request recomputes prompt + output[:-1]; its pending token output[-1] is kept.
             ids = seq.prompt_ids + seq.output_ids[:-1]
@@ -209,34 +225,46 @@ class Scheduler:
             if in_use + need > self.max_total_tokens:
                 break
             self.waiting.popleft()
-            self.runner.admit(seq)
-            seq.num_cached = 0
             self._prefill_ids[seq.seq_id] = ids
-            self.running.append(seq)
+            self.running.append(seq)  # first: should placing it fail, the step's failure handling sees it
+            self.reuse.place(seq, ids, self.running)
             in_use += need
+            self.cache.trim(self.max_total_tokens - in_use)
 
     def _prefill(self) -> list[Sequence]:
-        """Run this step's share of prefill; sequences whose prefill ends get their first token."""
+        """Run this step's share of prefill; sequences whose prefill ends get their first token. A request
+        waiting on an older one that prefills its prefix copies the rows as they come; once it has them
+        it prefills the rest with what the step's share has left, in a second pass of the same step."""
         left = self.prefill_allowance()
-        rows: list[tuple[Sequence, list[int]]] = []
-        prefilling = (s for s in self.running if s.seq_id in self._prefill_ids)
-        for seq in sorted(prefilling, key=lambda s: s.arrival_time):
-            if left <= 0:
-                break
-            ids = self._prefill_ids[seq.seq_id]
-            chunk = ids[seq.num_cached : seq.num_cached + left]
-            rows.append((seq, chunk))
-            left -= len(chunk)
+        ran: list[Sequence] = []
+        pending = sorted((s for s in self.running if s.seq_id in self._prefill_ids), key=prefill_order)
+        while pending:
+            rows: list[tuple[Sequence, list[int]]] = []
+            waiting = []
+            for seq in pending:
+                if self.reuse.pull(seq, self.running):
+                    waiting.append(seq)
+                elif left > 0:
+                    ids = self._prefill_ids[seq.seq_id]
+                    chunk = ids[seq.num_cached : seq.num_cached + left]
+                    rows.append((seq, chunk))
+                    left -= len(chunk)
+            self._run_prefill(rows)
+            ran += [s for s, _ in rows]
+            pending = waiting if rows and left > 0 else []
+        return ran
+
+    def _run_prefill(self, rows: list[tuple[Sequence, list[int]]]) -> None:
         for group in self._groups(rows):
             seqs, chunks = [s for s, _ in group], [c for _, c in group]
             hidden = self.runner.prefill(seqs, chunks, capture=self.decoder.speculative)
+            self.cache.miss_tokens += sum(len(c) for c in chunks)
             done = [i for i, s in enumerate(seqs) if s.num_cached == len(self._prefill_ids[s.seq_id])]
             fresh = [i for i in done if not seqs[i].output_ids]
             if fresh:
                 self.runner.first_tokens([seqs[i] for i in fresh], hidden[fresh])
             for i in done:
                 del self._prefill_ids[seqs[i].seq_id]
-        return [s for s, _ in rows]
 
     def prefill_allowance(self) -> int:
         """Prompt tokens this step may prefill: its share of the step's budget beside the decoding rows."""

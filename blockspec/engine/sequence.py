@@ -25,10 +25,11 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     slot: int = -1
     output_ids: list[int] = field(default_factory=list)
-    # Per output token: what proposed it ("draft", "lookup": a verified candidate; "target": the target's own
-    # token, a plain step's or the one after the accepted candidates), and with params.logprobs its
-    # log-probabilities under the target.
-    token_sources: list[str] = field(default_factory=list)
+    # Parallel to output_ids: where each token came from ("draft" or "lookup": proposed and accepted by the
+    # target; "target": the target's own token after a step's accepted run, or a plain step's) and the
+    # decode step that committed it (0: the prefill's first token; then stats.num_steps).
+    token_sources: list[tuple[str, int]] = field(default_factory=list)
+    # With params.logprobs: per output token, its log-probabilities under the target.
     logprobs: list[TokenLogprob] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
     # Moving averages of its accept lengths per kind of drafted step (the governor's: chain, tree)
@@ -37,6 +38,8 @@ class Sequence:
     # captured but did not yet inject into the draft's cache: injected in one pass when it next drafts.
     unfed_features: list[torch.Tensor] = field(default_factory=list)
     num_cached: int = 0
+    # Tokens of its current admission's prefill whose K/V came from the prefix cache (engine/prefix_cache.py)
+    cached_tokens: int = 0
     finish_reason: str | None = None
     # The key of the request's draws (sampler.draw): its seed, or one drawn from torch's global generator
     # (reproducible under --seed) when it has none.
@@ -70,16 +73,15 @@ class Sequence:
         """The absolute position of the next token to be committed (the key of its draw)."""
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def emit(self, tokens: list[int], sources: list[str] | None = None,
-             logits: torch.Tensor | None = None) -> int:
+    def emit(self, tokens: list[int], proposer: str = "target", logits: torch.Tensor | None = None) -> int:
         """Append tokens in order until a stop token (kept) or max_tokens; returns how many were taken.
-        Stops are found by position in the committed run, never by filtering token values. `sources`: what
-        proposed each token (default: the target); `logits` [len(tokens), V]: the target's raw logits that
-        chose each (for params.logprobs)."""
-        taken = 0
-        for token in tokens:
+        Stops are found by position in the committed run, never by filtering token values. tokens[:-1]
+        were proposed by `proposer` ("draft" or "lookup") and accepted; the last is the target's own.
+        `logits` [len(tokens), V]: the target's raw logits that chose each (for params.logprobs)."""
+        taken, step, last = 0, self.stats.num_steps, len(tokens) - 1
+        for i, token in enumerate(tokens):
             self.output_ids.append(token)
-            self.token_sources.append(sources[taken] if sources is not None else "target")
+            self.token_sources.append((proposer if i < last else "target", step))
             taken += 1
             if self.first_token_time is None:
                 self.first_token_time = time.perf_counter()

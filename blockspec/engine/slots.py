@@ -20,6 +20,10 @@ class SlotPool:
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def lowest_free(self) -> int | None:
+        return self._free[0] if self._free else None
+
     def allocate(self) -> int:
         if not self._free:
             raise RequestError(

@@ -29,18 +29,17 @@ at::Tensor rms_norm(const at::Tensor& x_in, const c10::optional<at::Tensor>& wei
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   maybe_parallel(rows, 4 * h, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = xp + r * h;
-      float* yr = yp + r * h;
-      float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int64_t i = 0; i < h; ++i) lanes[i % 8] += xr[i] * xr[i];
-      const float ss = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) +
-                       ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
-      const float scale = 1.0f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps));
-      for (int64_t i = 0; i < h; ++i) yr[i] = w ? (xr[i] * scale) * w[i] : xr[i] * scale;
-    }
+    for (int64_t r = r0; r < r1; ++r) rms_norm_row(xp + r * h, w, static_cast<float>(eps), yp + r * h, h);
   });
   return y;
+}
+
+void rms_norm_row(const float* x, const float* w, float eps, float* y, int64_t h) {
+  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t i = 0; i < h; ++i) lanes[i % 8] += x[i] * x[i];
+  const float ss = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+  const float scale = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
+  for (int64_t i = 0; i < h; ++i) y[i] = w ? (x[i] * scale) * w[i] : x[i] * scale;
 }
 
 // ---- rotary embedding ---------------------------------------------------------------------------------
@@ -51,26 +50,29 @@ void rope_(const at::Tensor& x, const at::Tensor& cos_in, const at::Tensor& sin_
   check_cpu_float(x, "rope_", "x");
   TORCH_CHECK(x.dim() == 4 && x.size(3) % 2 == 0 && x.size(3) <= 1024,
               "blockspec rope_: x must be [b, n, heads, d], d even");
-  const int64_t b = x.size(0), n = x.size(1), heads = x.size(2), d = x.size(3), half = d / 2;
+  const int64_t b = x.size(0), n = x.size(1), heads = x.size(2), d = x.size(3);
   const at::Tensor cs = cos_in.contiguous(), sn = sin_in.contiguous();
   TORCH_CHECK(cs.numel() == b * n * d && sn.numel() == b * n * d, "blockspec rope_: cos/sin must hold ",
               b * n * d, " values ([b, n, 1, d])");
   float* xp = x.data_ptr<float>();
   const float* cp = cs.data_ptr<float>();
   const float* sp = sn.data_ptr<float>();
-  float tmp[1024];
   for (int64_t bi = 0; bi < b; ++bi) {
     for (int64_t ni = 0; ni < n; ++ni) {
       const float* c = cp + (bi * n + ni) * d;
       const float* s = sp + (bi * n + ni) * d;
-      for (int64_t hi = 0; hi < heads; ++hi) {
-        float* xr = xp + bi * x.stride(0) + ni * x.stride(1) + hi * x.stride(2);
-        std::copy(xr, xr + d, tmp);
-        for (int64_t i = 0; i < half; ++i) xr[i] = tmp[i] * c[i] + tmp[i + half] * s[i];
-        for (int64_t i = half; i < d; ++i) xr[i] = tmp[i] * c[i] + tmp[i - half] * s[i];
-      }
+      for (int64_t hi = 0; hi < heads; ++hi)
+        rope_head(xp + bi * x.stride(0) + ni * x.stride(1) + hi * x.stride(2), c, s, d);
     }
   }
+}
+
+void rope_head(float* x, const float* c, const float* s, int64_t d) {
+  float tmp[1024];
+  const int64_t half = d / 2;
+  std::copy(x, x + d, tmp);
+  for (int64_t i = 0; i < half; ++i) x[i] = tmp[i] * c[i] + tmp[i + half] * s[i];
+  for (int64_t i = half; i < d; ++i) x[i] = tmp[i] * c[i] + tmp[i - half] * s[i];
 }
 
 // ---- SiLU gate ------------------------------------------------------------------------------------------
@@ -97,21 +99,17 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   at::Tensor y = at::empty(shape, gu.options());
   const float* gp = gu.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const bool fast = avx2_fma() && width % 8 == 0;
   maybe_parallel(rows, 20 * width, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* g = gp + r * 2 * width;
-      float* yr = yp + r * width;
-#ifdef BLOCKSPEC_X86
-      if (fast) {
-        silu_mul_avx2(g, g + width, yr, width);
-        continue;
-      }
-#endif
-      for (int64_t i = 0; i < width; ++i) yr[i] = g[i] / (1.0f + exp1(-g[i])) * g[width + i];
-    }
+    for (int64_t r = r0; r < r1; ++r) silu_mul_row(gp + r * 2 * width, yp + r * width, width);
   });
   return y;
+}
+
+void silu_mul_row(const float* gate_up, float* y, int64_t width) {
+#ifdef BLOCKSPEC_X86
+  if (avx2_fma() && width % 8 == 0) return silu_mul_avx2(gate_up, gate_up + width, y, width);
+#endif
+  for (int64_t i = 0; i < width; ++i) y[i] = gate_up[i] / (1.0f + exp1(-gate_up[i])) * gate_up[width + i];
 }
 }  // namespace blockspec_kernels
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.layers.forward_batch import ForwardBatch
-from blockspec.layers.fused import fused_attention_fits, fused_ops
+from blockspec.layers.fused import fused_ops
 
 
 class Attention(nn.Module):
@@ -25,7 +25,7 @@ class Attention(nn.Module):
                 context: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q [b, n, heads, d], k/v [b, n, kv_heads, d]; `context` (no cache only): the context's K/V, each
         [b, T, kv_heads, d]. Returns [b, n, heads * d]."""
-        ops = fused_ops(q, k, v) if fused_attention_fits(batch) else None
+        ops = fused_ops(q, k, v)
         if batch.cache is not None and ops is not None:
             return ops.cache_attention(q, k, v, batch.cache.k_layers[self.layer_id],
                                        batch.cache.v_layers[self.layer_id], batch.slots, batch.starts,

@@ -38,6 +38,12 @@ class KVCache:
         return cls(cfg.num_hidden_layers, num_slots, max_len, model.layers[0].self_attn.kv_heads,
                    cfg.head_dim, model.dtype, model.device)
 
+    @property
+    def token_bytes(self) -> int:
+        """Memory one token's row takes, every layer's K and V."""
+        layers, _, kv_heads, _, head_dim = self.k.shape
+        return 2 * layers * kv_heads * head_dim * self.k.element_size()
+
     def prepare(self, slots: list[int], length: int) -> None:
         """Zero each row below `length` of these slots that no forward has touched yet. Batched attention
         reads rows past a sequence's own length (masked out), and never-written memory may hold NaN bit
@@ -51,9 +57,28 @@ class KVCache:
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` rows of slot `src` (every layer) into slot `dst`."""
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
-        self._clean_upto[dst] = max(self._clean_upto[dst], length)
+        self.copy(src, dst, 0, length)
+
+    def copy(self, src: int, dst: int, start: int, end: int) -> None:
+        """Copy rows start..end-1 of slot `src` (every layer) into the same rows of slot `dst` (rows of `src`
+        no forward has touched yet are not copied: they hold nothing)."""
+        self.prepare([dst], start)  # rows below `start` stay initialised under the new ones
+        end = min(end, self._clean_upto[src])
+        if start < end:
+            self.k[:, dst, :, start:end] = self.k[:, src, :, start:end]
+            self.v[:, dst, :, start:end] = self.v[:, src, :, start:end]
+            self._clean_upto[dst] = max(self._clean_upto[dst], end)
+
+    def swap(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        """Exchange the first `length_a` rows of slot a with the first `length_b` rows of slot b."""
+        length_a, length_b = min(length_a, self._clean_upto[a]), min(length_b, self._clean_upto[b])
+        k, v = self.k[:, a, :, :length_a].clone(), self.v[:, a, :, :length_a].clone()
+        self.k[:, a, :, :length_b] = self.k[:, b, :, :length_b]
+        self.v[:, a, :, :length_b] = self.v[:, b, :, :length_b]
+        self.k[:, b, :, :length_a] = k
+        self.v[:, b, :, :length_a] = v
+        self._clean_upto[a] = max(self._clean_upto[a], length_b)
+        self._clean_upto[b] = max(self._clean_upto[b], length_a)
 
     def move_rows(self, slot: int, rows: list[int], first: int) -> None:
         """Copy rows `rows` of a slot (every layer), in order, to its rows first, first + 1, ..."""

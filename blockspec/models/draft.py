@@ -17,9 +17,10 @@ from blockspec.layers.embedding import Embedding
 from blockspec.layers.forward_batch import ForwardBatch
 from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
-from blockspec.layers.rotary import Rope, Rotary, apply_rope
+from blockspec.layers.fused import fused_ops
+from blockspec.layers.rotary import Rope, Rotary, rotate
 from blockspec.models.draft_config import DraftConfig
-from blockspec.models.target import MLP
+from blockspec.models.target import MLP, BlockStack, block_stack
 
 ContextKV = tuple[torch.Tensor, torch.Tensor]  # K, V [b, T, kv_heads, d] of projected target features
 
@@ -44,14 +45,14 @@ class DraftAttention(nn.Module):
         b, n, _ = ctx.shape
         kv = self.qkv_proj.forward_shards(ctx, 1)
         k, v = kv.view(b, n, 2 * self.kv_heads, self.head_dim).split(self.kv_heads, dim=2)
-        return apply_rope(self.k_norm(k), *rope), v
+        return rotate(self.k_norm(k), *rope), v
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope,
                 context: ContextKV | None = None) -> torch.Tensor:
         b, n, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.shards, dim=-1)
-        q = apply_rope(self.q_norm(q.view(b, n, self.heads, self.head_dim)), *rope)
-        k = apply_rope(self.k_norm(k.view(b, n, self.kv_heads, self.head_dim)), *rope)
+        q = rotate(self.q_norm(q.view(b, n, self.heads, self.head_dim)), *rope)
+        k = rotate(self.k_norm(k.view(b, n, self.kv_heads, self.head_dim)), *rope)
         return self.o_proj(self.attn(q, k, v.view(b, n, self.kv_heads, self.head_dim), batch, context))
 
 
@@ -92,6 +93,22 @@ class DFlashDraft(nn.Module):
     def device(self) -> torch.device:
         return self.fc.device
 
+    def use_int8_activations(self) -> None:
+        """Multiply every block-held weight with int8 activations from now on (as CausalLM's)."""
+        for module in self.modules():
+            if getattr(module, "quant", None) is not None:
+                module.quant.use_int8()
+        self.__dict__.pop("_block_stack", None)
+        self.__dict__.pop("_context_stack", None)
+
+    def block_stack(self) -> BlockStack | None:
+        """The layers as the one-op CPU layer stack takes them (models/target.py), or None (dense layers,
+        sliding-window layers: the op has one mask for every layer)."""
+        if "_block_stack" not in self.__dict__:
+            full = all(kind == "full_attention" for kind in self.config.layer_types)
+            self.__dict__["_block_stack"] = block_stack(self.layers) if full else None
+        return self.__dict__["_block_stack"]
+
     def use_target_embedding(self, embedding: Embedding) -> None:
         """Embed block tokens with the target's embedding (a draft without its own embedding shares it)."""
         object.__setattr__(self, "target_embedding", embedding)  # not a submodule: the target owns it
@@ -107,8 +124,30 @@ class DFlashDraft(nn.Module):
         """Target features [b, n, K*H] projected into the draft: hidden_norm(fc(features)) [b, n, H]."""
         return self.hidden_norm(self.fc(features))
 
+    def context_stack(self) -> tuple | None:
+        """fc, hidden_norm and every layer's k/v blocks and k_norm as the one-op CPU injection
+        (`draft_context`, blockspec/kernels/layer_stack.cpp) takes them, or None where it cannot."""
+        if "_context_stack" not in self.__dict__:
+            stack, fc = self.block_stack(), self.fc.quant
+            runs = stack is not None and fc is not None and (fc.activations == "int8") == stack[4]
+            kv = [layer.self_attn.qkv_proj.quant.row_range(layer.self_attn.qkv_proj.shards[0])
+                  for layer in self.layers] if runs else []
+            self.__dict__["_context_stack"] = None if not runs else (
+                fc.data, fc.qtype.ggml_id, self.hidden_norm.weight, [w.data for w in kv],
+                [w.qtype.ggml_id for w in kv], [layer.self_attn.k_norm.weight for layer in self.layers], stack[4])
+        return self.__dict__["_context_stack"]
+
     def inject(self, features: torch.Tensor, batch: ForwardBatch) -> None:
         """Write context K/V into the batch's cache for target features [b, n, K*H] at its positions."""
+        stack = self.context_stack()
+        if stack is not None and (ops := fused_ops(features)) is not None:
+            fc, fc_qtype, norm, kv, qtypes, k_norms, int8 = stack
+            cache = batch.cache
+            rope = self.rotary.table(batch.positions, features.dtype)
+            ops.draft_context(features, fc, fc_qtype, norm, kv, qtypes, k_norms, self.config.rms_norm_eps,
+                              self.config.num_key_value_heads, *rope, cache.k_layers, cache.v_layers,
+                              batch.slots, batch.starts, int8)
+            return
         ctx = self.context(features)
         rope = self.rotary.table(batch.positions, ctx.dtype)
         for layer in self.layers:
@@ -122,6 +161,15 @@ class DFlashDraft(nn.Module):
         [b, T, K*H] at batch.context_positions."""
         x = self.embed(batch.input_ids)
         rope = self.rotary.table(batch.positions, x.dtype)
+        stack = self.block_stack() if batch.cache is not None and features is None else None
+        if stack is not None and (ops := fused_ops(x)) is not None:
+            weights, qtypes, norms, qk_norms, int8 = stack
+            attn, cache, cfg = self.layers[0].self_attn, batch.cache, self.config
+            x = ops.decoder_layers(x, weights, qtypes, norms, qk_norms, cfg.rms_norm_eps, attn.heads,
+                                   attn.kv_heads, cfg.intermediate_size, *rope, cache.k_layers,
+                                   cache.v_layers, batch.slots, batch.starts, batch.kv_length,
+                                   batch.visible(), [], int8)[0]
+            return self.norm(x)
         ctx = ctx_rope = None
         if features is not None:
             ctx = self.context(features)

@@ -229,8 +229,10 @@ def load_draft(
     cli_block_size: int | None = None,
     cli_mask_token: str | None = None,
     cli_mask_token_id: int | None = None,
+    quantization: str | None = None,
 ) -> DFlashDraft:
-    """Resolve and validate the draft's config and tensor shapes, then load its weights."""
+    """Resolve and validate the draft's config and tensor shapes, then load its weights: dense in `dtype`, or
+    with `quantization` (a block type) every linear layer held as blocks of it (CPU inference)."""
     folder = Path(folder)
     hint = ("Pass --draft-model-path pointing at a DFlash draft (config.json + model.safetensors, z-lab "
             "format).")
@@ -245,7 +247,10 @@ def load_draft(
     embed_rows = index["embed_tokens.weight"][1][0] if cfg.has_embed_tokens else None
     with default_dtype(dtype):
         draft = DFlashDraft(cfg, embed_rows)
-    load_into(draft, checkpoint, model_tensors(draft))
+    names = model_tensors(draft)
+    if quantization is not None:
+        hold_as_blocks(names, checkpoint, quantization)
+    load_into(draft, checkpoint, names)
     if DRAFT_VOCAB in index:
         with safe_open(str(index[DRAFT_VOCAB][0]), framework="pt") as f:
             draft.vocab = check_draft_vocab(f.get_tensor(DRAFT_VOCAB), target.vocab_size, str(folder))

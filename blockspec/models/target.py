@@ -15,7 +15,7 @@ from torch import nn
 from blockspec.layers.attention import Attention
 from blockspec.layers.embedding import Embedding, LMHead
 from blockspec.layers.forward_batch import ForwardBatch
-from blockspec.layers.fused import fused_attention_fits, fused_ops
+from blockspec.layers.fused import fused_ops
 from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import Rope, Rotary, rotate
@@ -81,6 +81,30 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm.fold_into(self.mlp.gate_up_proj)
 
 
+# A layer stack for blockspec/kernels/layer_stack.cpp: every layer's blocks (qkv, o, gate_up, down), their GGML
+# types, norm weights (input, post-attention), per-head q/k norm weights (Qwen3; else none) and whether the
+# blocks take int8 activations.
+BlockStack = tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[torch.Tensor], bool]
+
+
+def block_stack(layers) -> BlockStack | None:
+    """Decoder layers (the target's, a draft's: each with self_attn.{qkv_proj, o_proj, q_norm, k_norm},
+    mlp.{gate_up_proj, down_proj} and two norms) as one stack, or None where a layer cannot run there:
+    dense, biased or row-parallel linears, folded norms, layers in mixed forms."""
+    linears = [linear for layer in layers for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    if not all(linear.quant is not None and linear.bias is None and linear.parallel is None
+               for linear in linears) or any(layer.input_layernorm.folded for layer in layers):
+        return None
+    forms = {linear.quant.activations for linear in linears}
+    qk = [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in layers]
+    if len(forms) != 1 or len({q is None for q, _ in qk}) != 1:
+        return None
+    return ([linear.quant.data for linear in linears], [linear.quant.qtype.ggml_id for linear in linears],
+            [norm.weight for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)],
+            [norm.weight for pair in qk for norm in pair if norm is not None], forms == {"int8"})
+
+
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -116,13 +140,13 @@ class CausalLM(nn.Module):
         first is 0). Training's distillation runs a target's top layers on captured features this way."""
         rope = self.rotary.table(batch.positions, self.dtype)
         last = len(self.layers) - 1
-        ops = fused_ops(x) if batch.cache is not None and fused_attention_fits(batch) else None
+        ops = fused_ops(x) if batch.cache is not None else None
         if ops is not None and self.block_stack() is not None:
-            x, *outputs = self.run_block_stack(ops, x, batch, rope, first, capture)
-            captured = dict(zip(capture, outputs))
-            if last in captured:
-                captured[last] = self.norm(captured[last])
-            return x, torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+            x, features = self.run_block_stack(ops, x, batch, rope, first, capture)
+            if last in capture:  # HF's last hidden state is taken after the final norm
+                at = capture.index(last) * x.shape[-1]
+                features[..., at : at + x.shape[-1]] = self.norm(features[..., at : at + x.shape[-1]])
+            return x, features if capture else None
         captured: dict[int, torch.Tensor] = {}
         for i, layer in islice(enumerate(self.layers), first, None):  # no ModuleList indexing per layer
             x = layer(x, batch, rope)
@@ -134,31 +158,32 @@ class CausalLM(nn.Module):
 
     def run_block_stack(self, ops, x: torch.Tensor, batch: ForwardBatch, rope: Rope, first: int,
                         capture: tuple[int, ...]) -> list[torch.Tensor]:
-        """Layers first.. as one op (`block_stack`): [last output, then the outputs of layers `capture`]."""
-        weights, qtypes, norms = self.block_stack()
+        """Layers first.. as one op (`block_stack`): [last output, the outputs of layers `capture` side by
+        side]."""
+        weights, qtypes, norms, qk_norms, int8 = self.block_stack()
         attn, cache = self.layers[0].self_attn, batch.cache
         return ops.decoder_layers(
-            x, weights[4 * first :], qtypes[4 * first :], norms[2 * first :], self.config.rms_norm_eps,
-            attn.heads, attn.kv_heads, *rope, cache.k_layers[first:], cache.v_layers[first:], batch.slots,
-            batch.starts, batch.kv_length, batch.visible(), [i - first for i in capture])
+            x, weights[4 * first :], qtypes[4 * first :], norms[2 * first :], qk_norms[2 * first :],
+            self.config.rms_norm_eps,
+            attn.heads, attn.kv_heads, self.config.intermediate_size, *rope, cache.k_layers[first:],
+            cache.v_layers[first:], batch.slots, batch.starts, batch.kv_length, batch.visible(),
+            [i - first for i in capture], int8)
 
-    def block_stack(self) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor]] | None:
-        """The layers' blocks, their types and norm weights for the one-op CPU layer stack
-        (blockspec/kernels/layer_stack.cpp), or None where a layer cannot run there (dense or biased
-        linears, q/k norms, and under tensor parallelism: the op has no all-reduce between its layers, so
-        the layers run one by one there). Gathered once: the layers hold their weights for good after
-        loading."""
+    def block_stack(self) -> BlockStack | None:
+        """The layers as the one-op CPU layer stack takes them (`block_stack`), or None where it cannot
+        (under tensor parallelism the op has no all-reduce between its layers, so they run one by one).
+        Gathered once: the layers hold their weights for good after loading."""
         if "_block_stack" not in self.__dict__:
-            linears = [linear for layer in self.layers for linear in (layer.self_attn.qkv_proj,
-                       layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-            runs = all(linear.quant is not None and linear.bias is None and linear.parallel is None
-                       for linear in linears) and all(
-                layer.self_attn.q_norm is None and not layer.input_layernorm.folded for layer in self.layers)
-            self.__dict__["_block_stack"] = None if not runs else (
-                [linear.quant.data for linear in linears], [linear.quant.qtype.ggml_id for linear in linears],
-                [norm.weight for layer in self.layers
-                 for norm in (layer.input_layernorm, layer.post_attention_layernorm)])
+            self.__dict__["_block_stack"] = None if self.tp is not None else block_stack(self.layers)
         return self.__dict__["_block_stack"]
+
+    def use_int8_activations(self) -> None:
+        """Multiply every block-held weight with int8 activations from now on (layers/quant.py): the blocks
+        are repacked once, after loading."""
+        for module in self.modules():
+            if getattr(module, "quant", None) is not None:
+                module.quant.use_int8()
+        self.__dict__.pop("_block_stack", None)
 
     def fold_norm_weights(self) -> None:
         """For inference: fold each layer's two RMSNorm weights into the projection they feed, saving 60

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one engine thread.
 
 Routes: GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (both
-with `"stream": true` as server-sent events: completions.py), POST /tokenize and /detokenize (vLLM's
-shapes: tokenize.py), GET /health, GET /metrics (Prometheus text). A model card's `created` is when the
-server started.
+with `"stream": true` as server-sent events: completions.py; a request may ask for its tokens' sources:
+token_sources.py), POST /tokenize and /detokenize (vLLM's shapes: tokenize.py), GET /health, GET /metrics
+(Prometheus text), GET /stats (the engine's live view, JSON: live.py), and GET / the chat page (ui.py;
+`chat_page=False` turns it off). A model card's `created` is when the server started.
 With an API key, every /v1 route needs `Authorization: Bearer KEY` (401 otherwise); /health and
 /metrics stay open for probes and scrapers. Every error is OpenAI's error JSON; nothing is a bare 500.
 A client that disconnects (streaming or not) has its request aborted and its KV freed before the
@@ -29,6 +30,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from blockspec.server import token_sources, ui
 from blockspec.server.async_engine import AsyncEngine
 from blockspec.server.completions import Completion, make_sequences, streaming_response
 from blockspec.server.door import Door, request_id
@@ -41,14 +43,24 @@ DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024  # far above any prompt a context of
 TOKENIZE_CONCURRENCY = 2  # prompts tokenized at once (each on a worker thread); the others wait their turn
 
 
+def engine_info(llm) -> dict[str, str]:
+    """The labels of blockspec_engine_info: weight blocks ("none": dense), and on the CPU how block weights
+    meet activations ("int8" or "fp32")."""
+    return {"device": str(llm.device), "quantization": llm.weight_blocks or "none",
+            "cpu_activations": llm.activations if llm.weight_blocks else "none",
+            "draft_quantization": llm.draft_blocks or "none"}
+
+
 def create_app(llm, api_key: str | None = None, served_model_name: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               cors_origins: list[str] | None = None, log_interval: float = 0.0) -> FastAPI:
+               cors_origins: list[str] | None = None, log_interval: float = 0.0,
+               chat_page: bool = True) -> FastAPI:
     """An app serving `llm` (a blockspec.LLM, its engine settings in llm.config); the engine thread starts
     and stops with the app. `cors_origins`: browser origins allowed to call it (None: CORS off);
-    `log_interval`: seconds between throughput log lines while busy (0: none)."""
+    `log_interval`: seconds between throughput log lines while busy (0: none); `chat_page`: serve the
+    chat page at `/`."""
     scheduler = llm.scheduler()
-    metrics = Metrics(llm.block_size)
+    metrics = Metrics(llm.block_size, engine_info(llm))
     engine = AsyncEngine(scheduler, llm.tokenizer, metrics, log_interval)
     model_name = served_model_name or llm.model_path.name
     algorithm = llm.speculative_algorithm
@@ -104,6 +116,10 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    ui.add_live_view(app, engine, algorithm, llm.config.adaptive_speculation)
+    if chat_page:
+        ui.add_chat_page(app)
+
     card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "blockspec",
             "max_model_len": llm.max_model_len, "speculative_algorithm": algorithm, "block_size": block_size}
 
@@ -150,11 +166,12 @@ def create_app(llm, api_key: str | None = None, served_model_name: str | None = 
         if isinstance(body, dict):
             check_model(body.get("model"))
         parsed = parse_request(body, chat)
+        sources = token_sources.requested(body)
         async with tokenizing:
             seqs, prompts = await asyncio.to_thread(make_sequences, llm, scheduler, body, parsed, chat)
         refuse_if_stopping()
         log.debug("request %s is seqs %s", request_id(request.scope), [seq.seq_id for seq in seqs])
-        completion = Completion(llm, engine, model_name, parsed, chat, seqs, prompts)
+        completion = Completion(llm, engine, model_name, parsed, chat, seqs, prompts, sources)
         if parsed.stream:
             return streaming_response(completion)
         return await completion.collect(request)

@@ -4,9 +4,11 @@ Handlers call `submit` (returns an asyncio.Queue of `Output`s; several requests,
 request, may share one, each `Output` naming its choice's index) and `abort`; both only post a message
 to the engine thread's inbox. The engine thread drains its inbox between steps (so an abort frees
 the request's KV before the next step), runs `Scheduler.step`, turns each request's new tokens into
-text (`TextStream`), applies stop strings (the text is cut before the stop string, the tokens after the one
-that completed it are dropped, and the request finishes at once), and posts the pieces to the request's
-queue with `call_soon_threadsafe`. While busy it logs a throughput line every few seconds (throughput.py).
+text (`TextStream`, token by token with each token's source for requests that ask), applies stop strings
+(the text is cut before the stop string, the tokens after the one that completed it are dropped, and the
+request finishes at once), and posts the pieces to the request's queue with `call_soon_threadsafe`. It
+counts each step into the live view (`GET /stats`, live.py) and, while busy, logs a throughput line every
+few seconds (throughput.py).
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from blockspec.engine.sampler import TokenLogprob
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.stats import RequestStats
-from blockspec.engine.text_stream import TextStream, follow_text
+from blockspec.engine.text_stream import Piece, TextStream, follow_text
 from blockspec.errors import BlockspecError
 from blockspec.models.tokenizer import Tokenizer
+from blockspec.server.live import LiveView
 from blockspec.server.metrics import Metrics
 from blockspec.server.throughput import ThroughputLog
 
@@ -46,6 +49,7 @@ class Output:
     index: int = 0  # the choice it belongs to (submit's `index`)
     token_ids: list[int] = field(default_factory=list)  # the tokens since the previous update
     logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when the request asked for them
+    pieces: list[Piece] | None = None  # the text token by token with their sources, when the request asked
 
 
 @dataclass
@@ -58,6 +62,7 @@ class _Tracked:
     sent_tokens: int = 0
     sent_accepts: int = 0
     last_delivery: float | None = None  # when its previous tokens were posted (inter-token latency)
+    pieces: bool = False  # the request asked for its tokens' sources
 
 
 class AsyncEngine:
@@ -74,6 +79,7 @@ class AsyncEngine:
         self._step_tokens = 0  # output tokens delivered in the current step
         self.draining = False  # set once the server stops admitting (shutdown.py); handlers then refuse
         self.snapshot: dict[str, float] = {}
+        self.live = LiveView()
         self._publish()
 
     # ---- called from the event loop --------------------------------------------------------------
@@ -92,12 +98,15 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     def submit(self, seq: Sequence, stop: list[str] | None = None, outputs: asyncio.Queue | None = None,
-               index: int = 0) -> asyncio.Queue:
+               index: int = 0, token_sources: bool = False) -> asyncio.Queue:
         """Queue a validated sequence; its `Output`s, marked `index`, arrive on `outputs` (a new queue if
-        None), which is returned. `stop`: its stop strings (default: its SamplingParams')."""
+        None), which is returned. `stop`: its stop strings (default: its SamplingParams');
+        `token_sources`: the Outputs carry their text token by token with each token's source (a token's
+        text then never splits over two Outputs)."""
         stops = seq.params.stop if stop is None else stop
         tracked = _Tracked(seq, asyncio.get_running_loop(), outputs or asyncio.Queue(),
-                           TextStream(self.tokenizer, stops), index)
+                           TextStream(self.tokenizer, stops, whole_tokens=token_sources), index,
+                           pieces=token_sources)
         self._inbox.put(("add", tracked))
         self._wake.set()
         return tracked.queue
@@ -144,8 +153,9 @@ class AsyncEngine:
             self._step_tokens = 0
             for seq in ran:
                 accepts += self._deliver(seq)
-            speculative = self.scheduler.decoder.speculative
-            self.metrics.step(time.perf_counter() - start, accepts if speculative else [])
+            accepts = accepts if self.scheduler.decoder.speculative else []
+            self.metrics.step(time.perf_counter() - start, accepts)
+            self.live.step(getattr(self.scheduler.decoder, "last_plan", None), accepts)
             self._publish()
             self.throughput.step(self._step_tokens, accepts, self.snapshot)
         self._fail_all("the server is shutting down", shutdown=True)
@@ -189,9 +199,12 @@ class AsyncEngine:
             return []
         accepts = seq.stats.accept_lengths[tracked.sent_accepts :]
         tracked.sent_accepts = len(seq.stats.accept_lengths)
-        text = follow_text(self.scheduler, seq, tracked.text)  # a stop string ends it (and trims it) here
+        # a stop string ends it (and trims its tokens) here
+        pieces = follow_text(self.scheduler, seq, tracked.text)
+        text = "".join(piece.text for piece in pieces)
         new = slice(tracked.sent_tokens, len(seq.output_ids))
         tracked.sent_tokens = len(seq.output_ids)
+        self.live.committed(seq.token_sources[new])
         reason = seq.finish_reason
         if new.stop > new.start:
             self._time_tokens(tracked, new.stop - new.start)
@@ -202,7 +215,7 @@ class AsyncEngine:
             self._post(tracked, Output(text, len(seq.output_ids), reason,
                                        seq.stats.copy() if final else RequestStats(), error,
                                        index=tracked.index, token_ids=seq.output_ids[new],
-                                       logprobs=seq.logprobs[new]))
+                                       logprobs=seq.logprobs[new], pieces=pieces if tracked.pieces else None))
         if reason is not None:
             self._tracked.pop(seq.seq_id, None)
             self._done(seq, reason)
@@ -249,11 +262,18 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         s = self.scheduler
-        pool = s.runner.pool
+        runner, cache = s.runner, s.runner.prefix_cache
         self.snapshot = {
             "num_running_requests": len(s.running), "num_waiting_requests": len(s.waiting),
             "kv_tokens_used": s.tokens_in_use, "kv_tokens_budget": s.max_total_tokens,
-            "kv_slots_free": pool.num_free, "kv_slots_total": pool.num_slots,
+            # free for a request: unused slots and prefix-cache entries' (evicted for it)
+            "kv_slots_free": runner.slots_available, "kv_slots_total": runner.pool.num_slots,
             "preemptions_total": s.num_preemptions,
+            "prefix_cache_hit_tokens_total": cache.hit_tokens,
+            "prefix_cache_miss_tokens_total": cache.miss_tokens,
+            "prefix_cache_hit_rate": round(cache.hit_rate, 6),
+            "prefix_cache_evictions_total": cache.evictions,
+            "prefix_cache_entries": len(cache.entries), "prefix_cache_tokens": cache.tokens,
+            "prefix_cache_bytes": cache.nbytes,
         }
         self.metrics.set_gauges(**self.snapshot)

@@ -51,6 +51,8 @@ def register(sub) -> None:
     serve.add_argument("--shutdown-grace-seconds", type=float, default=10.0, metavar="S",
                        help="on SIGTERM, how long running requests may finish before they end with an error "
                             "(default 10)")
+    serve.add_argument("--no-ui", dest="ui", action="store_false",
+                       help="do not serve the chat page at / (the API is unchanged)")
     serve.add_argument("--served-model-name", default=None,
                        help="model id in the API (default: the model folder name)")
     serve.add_argument("--log-level", default="info",
@@ -93,7 +95,7 @@ def run_serve(args: argparse.Namespace) -> None:
     logging.getLogger("blockspec").setLevel(args.log_level.upper())  # the throughput lines are INFO
     app = create_app(llm, api_key=key, served_model_name=args.served_model_name,
                      max_request_bytes=args.max_request_bytes, cors_origins=args.cors_allow_origins,
-                     log_interval=args.log_interval)
+                     log_interval=args.log_interval, chat_page=args.ui)
     scheduler = app.state.engine.scheduler
     if scheduler.max_total_tokens < llm.max_model_len - 1 + scheduler.width:
         print(f"warning: the KV budget ({scheduler.max_total_tokens} tokens) is below one full-context "
@@ -101,6 +103,8 @@ def run_serve(args: argparse.Namespace) -> None:
               f"with 400.", flush=True)
     print(f"blockspec serving {app.state.model_name} ({llm.speculative_algorithm}, block {llm.block_size}) "
           f"on http://{args.host}:{args.port}/v1", flush=True)
+    if args.ui:
+        print(f"chat page: http://{args.host}:{args.port}/", flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     GracefulServer(config, app.state.engine, args.shutdown_grace_seconds).run()

@@ -20,7 +20,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.stats import RequestStats
+from blockspec.engine.text_stream import Piece
 from blockspec.errors import BlockspecError
+from blockspec.server import token_sources
 from blockspec.server.async_engine import AsyncEngine, Output
 from blockspec.server.logprobs import chat_logprobs, completion_logprobs
 from blockspec.server.protocol import APIError, ParsedRequest, chat_messages, sampling_params
@@ -43,13 +45,14 @@ class Completion:
     """One HTTP request's choices in the engine: submitted together, answered together."""
 
     def __init__(self, llm, engine: AsyncEngine, model_name: str, parsed: ParsedRequest, chat: bool,
-                 seqs: list[Sequence], prompts: list[list[int]]) -> None:
+                 seqs: list[Sequence], prompts: list[list[int]], sources: bool = False) -> None:
+        """`sources`: the request asked for its tokens' sources (token_sources.py)."""
         self.llm, self.engine, self.model_name = llm, engine, model_name
         self.parsed, self.chat, self.seqs, self.prompts = parsed, chat, seqs, prompts
         self.rid, self.created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         self.outputs: asyncio.Queue = asyncio.Queue()
         for index, seq in enumerate(seqs):
-            engine.submit(seq, outputs=self.outputs, index=index)
+            engine.submit(seq, outputs=self.outputs, index=index, token_sources=sources)
         self.finished: dict[int, Output] = {}
         self.sent = [0] * len(seqs)  # characters of text sent per choice (completions' text_offset)
         given = [p if isinstance(p, str) else self.llm.tokenizer.decode(p) for p in parsed.prompts]
@@ -72,8 +75,11 @@ class Completion:
         return self.llm.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def usage(self) -> dict:
+        """Each prompt counted once (as OpenAI does for n choices), its cached tokens its first choice's."""
         completion = sum(out.num_output_tokens for out in self.finished.values())
-        return usage(sum(len(p) for p in self.prompts), completion)
+        n = self.parsed.n
+        cached = sum(min(self.seqs[i * n].cached_tokens, len(p)) for i, p in enumerate(self.prompts))
+        return usage(sum(len(p) for p in self.prompts), completion, cached)
 
     def abort_unfinished(self) -> None:
         for index, seq in enumerate(self.seqs):
@@ -99,8 +105,9 @@ class Completion:
                 if out.error is not None:
                     yield sse(failure(out).body())
                     break
-                if out.text or out.logprobs:
-                    piece = choice(self.chat, out.text, None, True, out.index, self.logprobs(out))
+                if out.text or out.logprobs or out.pieces:
+                    piece = token_sources.attach(
+                        choice(self.chat, out.text, None, True, out.index, self.logprobs(out)), out.pieces)
                     self.sent[out.index] += len(out.text)
                     yield sse(self.envelope([piece], True))
                 if out.finish_reason is not None:
@@ -117,6 +124,7 @@ class Completion:
     async def collect(self, request: Request) -> Response:
         pieces: list[list[str]] = [[echo] for echo in self.echoes]
         logprobs: list[list] = [[] for _ in self.seqs]
+        sources: list[list[Piece] | None] = [None for _ in self.seqs]
         pending: asyncio.Future | None = None
         # The body is read, so the next ASGI message can only be http.disconnect: watch for it.
         watch: asyncio.Future = asyncio.ensure_future(request.receive())
@@ -135,14 +143,17 @@ class Completion:
                     raise failure(out)
                 pieces[out.index].append(out.text)
                 logprobs[out.index] += out.logprobs
+                if out.pieces is not None:
+                    sources[out.index] = (sources[out.index] or []) + out.pieces
                 if out.finish_reason is not None:
                     self.finished[out.index] = out
             choices = []
             for index, out in sorted(self.finished.items()):
                 whole = Output("", out.num_output_tokens, out.finish_reason, logprobs=logprobs[index],
                                index=index)
-                choices.append(choice(self.chat, "".join(pieces[index]), out.finish_reason, False, index,
-                                      self.logprobs(whole)))
+                reply = choice(self.chat, "".join(pieces[index]), out.finish_reason, False, index,
+                               self.logprobs(whole))
+                choices.append(token_sources.attach(reply, sources[index]))
             stats = [out.stats for out in self.finished.values()]
             return JSONResponse(self.envelope(choices, False, usage=self.usage(),
                                               blockspec=self.extension(stats)))

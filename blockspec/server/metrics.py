@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from blockspec.engine.stats import RequestStats
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-COUNTER_GAUGES = {"preemptions_total"}  # engine counters published through the snapshot
+# engine counters published through the snapshot
+COUNTER_GAUGES = {"preemptions_total", "prefix_cache_hit_tokens_total", "prefix_cache_miss_tokens_total",
+                  "prefix_cache_evictions_total"}
 TTFT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
@@ -51,8 +53,9 @@ def _num(value: float) -> str:
 
 
 class Metrics:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, info: dict[str, str] | None = None) -> None:
         self._lock = threading.Lock()
+        self.info = info or {}  # how the engine runs (weights, activations): one labelled gauge
         self.requests: dict[str, int] = {}  # finish_reason ("stop", "length", "abort", "error") -> count
         self.http_errors: dict[int, int] = {}  # status -> count (rejected before reaching the engine)
         self.prompt_tokens = 0
@@ -111,7 +114,10 @@ class Metrics:
 
     def render(self) -> str:
         with self._lock:
-            lines = ["# HELP blockspec_requests_total Finished requests by finish reason",
+            labels = ",".join(f'{key}="{value}"' for key, value in self.info.items())
+            lines = ["# HELP blockspec_engine_info How the engine holds weights and meets activations",
+                     "# TYPE blockspec_engine_info gauge", f"blockspec_engine_info{{{labels}}} 1",
+                     "# HELP blockspec_requests_total Finished requests by finish reason",
                      "# TYPE blockspec_requests_total counter"]
             for reason, count in sorted(self.requests.items()):
                 lines.append(f'blockspec_requests_total{{finish_reason="{reason}"}} {count}')

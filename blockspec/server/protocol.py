@@ -1,4 +1,4 @@
-"""OpenAI request validation and response shapes for /v1/completions and /v1/chat/completions.
+"""OpenAI request validation for /v1/completions and /v1/chat/completions (responses.py: their shapes).
 
 Every invalid request becomes an `APIError` (status 400 unless said otherwise) rendered as
 `{"error": {"message", "type", "param", "code"}}`. Unknown fields are ignored, as OpenAI does;
@@ -10,7 +10,8 @@ Honoured, each lossless under speculation: `n` choices per prompt, a list of pro
 (completions), `stop`, `seed`. Choice i of prompt p has index p * n + i; with a seed, choice i samples with
 seed + i.
 
-Extension fields accepted in requests: `top_k`, `ignore_eos`, `stop_token_ids`.
+Extension fields accepted in requests: `top_k`, `ignore_eos`, `stop_token_ids`, `return_token_sources`
+(token_sources.py). `usage.prompt_tokens_details.cached_tokens`: the prompt tokens the prefix cache held.
 Extension field on every response (and on the final stream chunk): `blockspec` =
 `{speculative_algorithm, block_size, accept_lengths, mean_accept_length, num_verify_steps,
 num_plain_steps, lookup_accept_lengths, num_lookup_steps, lookup_mean_accept_length}` (the request's

@@ -1,5 +1,5 @@
 """OpenAI's response shapes for /v1/completions and /v1/chat/completions (whole and streamed), with the
-`blockspec` extension field (protocol.py describes it)."""
+`blockspec` extension field (protocol.py describes it) and, when asked, `token_sources` (token_sources.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ def extension(stats: RequestStats, algorithm: str, block_size: int) -> dict:
     return {"speculative_algorithm": algorithm, "block_size": block_size, **stats.summary()}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage; cached_tokens: the prompt tokens the prefix cache held (a part of prompt_tokens)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": min(cached_tokens, prompt_tokens)}}
 
 
 def choice(chat: bool, text: str, finish_reason: str | None, stream: bool, index: int = 0,

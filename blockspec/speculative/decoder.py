@@ -36,6 +36,7 @@ class Decoder:
             raise ValueError("Decoder: speculative decoding needs a runner with a DFlash draft.")
         self.runner, self.speculation, self.governor, self.threads = runner, speculation, governor, threads
         self.draft = DFlashProposer(runner, speculation.mask_token_id) if speculation is not None else None
+        self.last_plan: StepPlan | None = None  # the latest step's plan (the server's live view shows it)
 
     @property
     def speculative(self) -> bool:
@@ -49,7 +50,7 @@ class Decoder:
     def decode(self, seqs: list[Sequence]) -> None:
         if self.threads is not None:
             self.threads.tick()
-        plan = self.plan(seqs)
+        plan = self.last_plan = self.plan(seqs)
         start = time.perf_counter()
         self.run(seqs, plan)
         if self.governor is not None and self.speculation is not None:  # the step ended in a host sync
@@ -120,8 +121,7 @@ class Decoder:
             tally(seq, plan.sources[row], len(path) + 1, plan.capture, plan.trees)
             if plan.capture and not plan.drafts:
                 seq.unfed_features.extend(features[row, : len(path) + 1].unbind(0))
-            sources = [plan.sources[row]] * len(path) + ["target"]
-            seq.emit([int(host[row, node - 1]) for node in path] + [bonus], sources, logits)
+            seq.emit([int(host[row, node - 1]) for node in path] + [bonus], plan.sources[row], logits)
         if plan.capture and not plan.drafts and max(len(s.unfed_features) for s in seqs) >= MAX_UNFED:
             self.draft.catch_up(seqs)
 

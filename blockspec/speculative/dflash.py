@@ -21,17 +21,8 @@ class DFlashProposer:
         self.runner, self.mask_token_id = runner, mask_token_id
 
     def catch_up(self, seqs: list[Sequence]) -> None:
-        """Inject every row's unfed target features into the draft's cache: one pass per distinct backlog
-        length (usually one: a batch takes plain steps together)."""
-        by_length: dict[int, list[Sequence]] = {}
-        for seq in seqs:
-            if seq.unfed_features:
-                by_length.setdefault(len(seq.unfed_features), []).append(seq)
-        for n, group in by_length.items():
-            features = torch.stack([torch.stack(s.unfed_features) for s in group])  # [g, n, K*H]
-            self.runner.inject(group, features, [s.num_cached - n for s in group])
-            for seq in group:
-                seq.unfed_features.clear()
+        """Inject every row's unfed target features into the draft's cache."""
+        self.runner.feed_draft(seqs)
 
     def propose(self, seqs: list[Sequence], block_size: int) -> torch.Tensor:
         """block_size - 1 proposed tokens per row [b, B-1] (the rows must have caught up)."""

@@ -15,9 +15,10 @@ Output is unaffected: a plain step is exactly the baseline, and it still capture
 for the draft (kept on the sequence and injected in one pass before its next DFlash step), so speculation
 can resume at any step. Only speed changes.
 
-Prompt lookup (lookup.py) steps are timed too, under their width: when only some rows of a batch have
-a context match, `mix` weighs a step at the lookup width (those rows verify their copy, at the all-row
-lookup tau) against a DFlash step at block size B for every row. The governor only estimates; `plan.py`
+Prompt lookup (lookup.py) steps are timed too, under their width: a step where every row has a context
+match verifies the copies if `lookup_pays` (the all-row lookup tau x plain-step time > the wide step's
+time); when only some rows have one, `mix` weighs a step at the lookup width (those rows verify their copy,
+at the all-row lookup tau) against a DFlash step at block size B for every row. The governor only estimates; `plan.py`
 turns its answers into a step plan, and it learns from each finished step through `record`.
 
 Where candidate trees are set (tree.py), a drafted step is a chain or a tree, each with its own cost and
@@ -88,6 +89,16 @@ class SpecGovernor:
             return not kind
         return sum(taus) / len(taus) * plain > spec
 
+    def lookup_pays(self, seqs: list[Sequence], width: int) -> bool:
+        """Whether a step verifying every row's copy (`width` rows per sequence) is expected to commit
+        tokens faster than a plain step: measured first, and probed again after `probe_spec_every` plain
+        steps in a row (the text may have turned repetitive)."""
+        wide, plain = self._seconds.get((width, len(seqs))), self._seconds.get((1, len(seqs)))
+        if wide is None or plain is None or self._lookup_tau is None:
+            return True
+        kind, run = self._streak
+        return (not kind and run >= self.probe_spec_every) or self._lookup_tau * plain > wide
+
     def mix(self, seqs: list[Sequence], copied: list[bool], shape: DraftShape, width: int) -> bool:
         """Whether a step verifying the copied rows' lookups (`width` rows per sequence, the other rows'
         drafted candidates padded to it) is expected to commit tokens faster than a drafted step of this
@@ -105,6 +116,7 @@ class SpecGovernor:
         if plan.kind in ("lookup", "mixed"):
             key = (plan.width, len(seqs))
             self._seconds[key] = self._average(self._seconds.get(key), seconds, self.alpha)
+            self._streak = (True, 1)  # a plain streak ends
             for seq, source in zip(seqs, plan.sources):
                 if source == "lookup":
                     tau = seq.stats.lookup_accept_lengths[-1]

@@ -124,16 +124,18 @@ class StepPlan:
 
 def choose_plan(seqs: list[Sequence], copies: list[list[int]], speculation: Speculation,
                 governor) -> StepPlan:
-    """Prompt lookup where a row's context has a match (its copy is right far more often than the draft);
-    when only some rows have one, a mixed step if the governor expects it to beat a drafted step for all;
+    """Prompt lookup where every row's context has a match (a copy is right far more often than the draft)
+    and the governor expects it to beat a plain step; when only some rows have one, a mixed step if the governor expects it to beat a drafted step for all;
     otherwise a drafted step (its chain or its tree, whichever the governor expects to commit tokens faster)
     or, where the governor expects speculating not to pay, a plain one (which keeps the target's features,
     so the draft can catch up later). governor None: always speculate, with the tree if one is set."""
     shapes = speculation.shapes
     shape = shapes[-1] if governor is None or len(shapes) == 1 else governor.shape(seqs, shapes)
     copied = [bool(c) for c in copies]
-    if any(copied) and (all(copied) or governor is None
-                        or governor.mix(seqs, copied, shape, speculation.lookup_width)):
+    if all(copied) and (governor is None or governor.lookup_pays(seqs, speculation.lookup_width)):
+        return StepPlan.lookup(copies, speculation, shape)
+    if any(copied) and not all(copied) and (governor is None
+                                            or governor.mix(seqs, copied, shape, speculation.lookup_width)):
         return StepPlan.lookup(copies, speculation, shape)
     if governor is None or governor.speculate(seqs, shape):
         return StepPlan.dflash(len(seqs), shape)

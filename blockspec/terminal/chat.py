@@ -65,7 +65,7 @@ def chat(args: argparse.Namespace) -> None:
             print(HELP, file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
-        painter, stopped, output = Painter(llm.tokenizer, args.color), InterruptFlag(), None
+        painter, stopped, output = Painter(args.color), InterruptFlag(), None
         try:
             prompt = fit(llm, messages, opening, params.max_tokens)
             with stopped:

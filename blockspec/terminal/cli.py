@@ -98,12 +98,13 @@ def run_generate(args: argparse.Namespace) -> None:
             "num_output_tokens": len(out.token_ids), "finish_reason": out.finish_reason,
             "speculative_algorithm": out.speculative_algorithm, "block_size": out.block_size,
             **out.stats.summary(), "time_to_first_token_s": round(out.time_to_first_token_s, 4),
-            "decode_tokens_per_s": round(out.decode_tokens_per_s, 3),
+            "decode_tokens_per_s": round(out.decode_tokens_per_s, 3), "cached_tokens": out.cached_tokens,
+            "token_sources": [list(origin) for origin in out.token_sources],
         }))
         return
     if args.color:
         print(legend(), file=sys.stderr)
-    painter = Painter(llm.tokenizer, args.color)
+    painter = Painter(args.color)
     for delta in llm.stream(prompt, params):
         painter.add(delta)
         if delta.output is not None:

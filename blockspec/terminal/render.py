@@ -9,7 +9,6 @@ import sys
 from collections import Counter
 from typing import TextIO
 
-from blockspec.models.tokenizer import StreamDecoder, Tokenizer
 from blockspec.outputs import RequestOutput, StreamDelta
 
 RESET, DIM = "\033[0m", "\033[2m"
@@ -22,48 +21,24 @@ def legend() -> str:
 
 
 class Painter:
-    """Writes each delta's text; with `color`, token by token in its source's colour. The text a delta may
-    show (`StreamDelta.text`: text that may begin a stop string waits) bounds what is written, so a coloured
-    answer ends exactly where the plain one does."""
+    """Writes each delta's text; with `color`, piece by piece (`StreamDelta.pieces`: the text token by token)
+    in each token's source's colour, so a coloured answer is exactly the plain one."""
 
-    def __init__(self, tokenizer: Tokenizer, color: bool, out: TextIO = sys.stdout) -> None:
+    def __init__(self, color: bool, out: TextIO = sys.stdout) -> None:
         self.color, self.out = color, out
-        self.decoder = StreamDecoder(tokenizer)
-        self.spans: list[tuple[str, str]] = []  # decoded, not yet written: (text, source)
-        self.allowed = 0  # characters of text the deltas have released so far
-        self.written = 0
 
     def add(self, delta: StreamDelta) -> None:
         if not self.color:
             self.out.write(delta.text)
-            self.out.flush()
-            return
-        for token, source in zip(delta.token_ids, delta.token_sources):
-            self.spans.append((self.decoder.push(token), source))
-        if delta.output is not None and self.spans:
-            self.spans.append((self.decoder.flush(), self.spans[-1][1]))
-        self.allowed += len(delta.text)
-        self._write()
-
-    def _write(self) -> None:
-        while self.spans and self.written < self.allowed:
-            text, source = self.spans[0]
-            room = self.allowed - self.written
-            shown, rest = text[:room], text[room:]
-            if shown:
-                color = COLORS.get(source, "")
-                self.out.write(f"{color}{shown}{RESET}" if color else shown)
-                self.written += len(shown)
-            if rest:
-                self.spans[0] = (rest, source)
-                break
-            self.spans.pop(0)
+        for piece in delta.pieces if self.color else ():
+            color = COLORS.get(piece.source, "")
+            self.out.write(f"{color}{piece.text}{RESET}" if color and piece.text else piece.text)
         self.out.flush()
 
 
 def stats_line(out: RequestOutput, interrupted: bool = False) -> str:
-    """The answer's statistics: tokens, the draft's tau, the steps taken, decode speed, time to first token
-    and, for DFlash, where its tokens came from."""
+    """The answer's statistics: tokens, the draft's tau, the steps taken, decode speed, time to first token,
+    prompt tokens the prefix cache held and, for DFlash, where its tokens came from."""
     stats = out.stats
     note = "" if out.speculative_algorithm == "DFLASH" else " (plain decoding: no DFlash draft in use)"
     steps = ""
@@ -74,12 +49,15 @@ def stats_line(out: RequestOutput, interrupted: bool = False) -> str:
                   f"(tau {stats.lookup_mean_accept_length:.2f})")
     sources = ""
     if out.speculative_algorithm == "DFLASH" and out.token_sources:
-        counts = Counter(out.token_sources)
+        counts = Counter(source for source, _ in out.token_sources)
         sources = " | " + ", ".join(f"{LABELS[s]} {counts[s]}" for s in LABELS if counts[s])
     stop = ", stopped by Ctrl-C" if interrupted else ""
+    cached = ""
+    if out.cached_tokens:  # a chat's later turns reuse the earlier turns' KV (the prefix cache)
+        cached = f" ({out.cached_tokens} of {out.num_prompt_tokens} prompt tokens cached)"
     return (f"[{out.speculative_algorithm}{note}] {len(out.token_ids)} tokens{stop}, "
             f"tau={out.mean_accept_length:.2f}{steps}, {out.decode_tokens_per_s:.1f} tok/s decode, "
-            f"TTFT {out.time_to_first_token_s:.2f}s{sources}")
+            f"TTFT {out.time_to_first_token_s:.2f}s{cached}{sources}")
 
 
 class InterruptFlag:
