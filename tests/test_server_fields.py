@@ -136,13 +136,40 @@ def test_throughput_line_while_busy(folders, caplog):
 
     llm = make_llm(folders)
     engine = AsyncEngine(llm.scheduler(), llm.tokenizer, Metrics(llm.block_size), log_interval=0.01)
-    seq = llm.sequence("some prompt", SamplingParams(max_tokens=40))
-    engine.scheduler.add(seq)
-    with caplog.at_level(logging.INFO, logger="blockspec.server"):
-        while engine.scheduler.has_work:
-            engine.scheduler.step()
-            engine._publish()
-            engine.throughput.step(1, [2], engine.snapshot)
-            time.sleep(0.011)
-    lines = [r.getMessage() for r in caplog.records if "tok/s" in r.getMessage()]
+
+    def run(seq) -> list[str]:
+        caplog.clear()
+        engine.scheduler.add(seq)
+        with caplog.at_level(logging.INFO, logger="blockspec.server"):
+            while engine.scheduler.has_work:
+                engine.scheduler.step()
+                engine._publish()
+                engine.throughput.step(1, [2], engine.snapshot)
+                time.sleep(0.011)
+        return [r.getMessage() for r in caplog.records if "tok/s" in r.getMessage()]
+
+    prompt = "some prompt that the cache will hold"
+    lines = run(llm.sequence(prompt, SamplingParams(max_tokens=40)))
     assert lines and "running" in lines[0] and "tau 2.00" in lines[0] and "KV" in lines[0]
+    assert "prefix cache hit 0%" in lines[0]  # its prompt was admitted in the first interval, uncached
+    assert all("prefix cache" not in line for line in lines[1:])  # no prompt admitted in the others
+    again = llm.sequence(prompt, SamplingParams(max_tokens=40))
+    lines = run(again)  # the same prompt: the finished request's entry holds it
+    assert 0 < again.cached_tokens < len(again.prompt_ids)
+    assert f"prefix cache hit {100 * again.cached_tokens / len(again.prompt_ids):.0f}%" in lines[0]
+    assert all("prefix cache" not in line for line in lines[1:])
+
+
+def test_throughput_line_prefix_cache_hit_rate_per_interval():
+    from blockspec.server.throughput import ThroughputLog
+
+    gauges = {"num_running_requests": 1, "kv_tokens_used": 10, "kv_tokens_budget": 100}
+    log_ = ThroughputLog(1.0, speculative=False, snapshot={**gauges, "prefix_cache_hit_tokens_total": 50,
+                                                           "prefix_cache_miss_tokens_total": 50})
+    now = {**gauges, "prefix_cache_hit_tokens_total": 80, "prefix_cache_miss_tokens_total": 60}
+    assert log_.line(1.0, now).endswith("| prefix cache hit 75%")  # 30 hits, 10 misses since the start
+    log_.interval, log_._since = 1e-9, 0.0
+    log_.step(1, [], now)  # a line: the interval restarts from these totals
+    assert "prefix cache" not in log_.line(1.0, now)  # nothing admitted since
+    later = {**now, "prefix_cache_miss_tokens_total": 70}
+    assert log_.line(1.0, later).endswith("| prefix cache hit 0%")

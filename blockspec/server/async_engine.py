@@ -70,7 +70,6 @@ class AsyncEngine:
                  log_interval: float = 0.0) -> None:
         """`log_interval`: seconds between throughput lines while busy (0: none)."""
         self.scheduler, self.tokenizer, self.metrics = scheduler, tokenizer, metrics
-        self.throughput = ThroughputLog(log_interval, scheduler.decoder.speculative)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -81,6 +80,7 @@ class AsyncEngine:
         self.snapshot: dict[str, float] = {}
         self.live = LiveView()
         self._publish()
+        self.throughput = ThroughputLog(log_interval, scheduler.decoder.speculative, self.snapshot)
 
     # ---- called from the event loop --------------------------------------------------------------
     def start(self) -> None:

@@ -1,8 +1,10 @@
 """The server's periodic progress line while it is busy, as SGLang's and vLLM's servers log one:
 
-    INFO blockspec.server: 3 running, 0 waiting | 48.2 tok/s over 5.0 s | tau 2.31 | KV 1234/10240 (12%)
+    INFO blockspec.server: 3 running, 0 waiting | 48.2 tok/s over 5.0 s | tau 2.31 | KV 1234/10240 (12%) |
+        prefix cache hit 87%
 
-Nothing is logged while idle; counts cover the interval since the previous line.
+Nothing is logged while idle; counts cover the interval since the previous line (the prefix cache's hit
+rate: of the prompt tokens admitted in it, when there were any).
 """
 
 from __future__ import annotations
@@ -13,14 +15,23 @@ import time
 log = logging.getLogger("blockspec.server")
 
 
+def prefix_totals(snapshot: dict[str, float]) -> tuple[float, float]:
+    """The prefix cache's hit and miss token totals in an engine snapshot."""
+    return (snapshot.get("prefix_cache_hit_tokens_total", 0.0),
+            snapshot.get("prefix_cache_miss_tokens_total", 0.0))
+
+
 class ThroughputLog:
-    def __init__(self, interval: float, speculative: bool) -> None:
+    def __init__(self, interval: float, speculative: bool, snapshot: dict[str, float] | None = None) -> None:
         """`interval`: seconds between lines (0: never); `speculative`: whether the engine verifies drafts
-        (then the line reports tau, the mean tokens per verify step)."""
+        (then the line reports tau, the mean tokens per verify step); `snapshot`: the engine's gauges now
+        (the prefix cache may have counted tokens before the server started: they are not the first
+        interval's)."""
         self.interval, self.speculative = interval, speculative
         self._since = time.perf_counter()
         self._tokens = 0
         self._accepts: list[int] = []
+        self._prefix = prefix_totals(snapshot or {})  # the totals at the previous line
 
     def step(self, tokens: int, accepts: list[int], snapshot: dict[str, float]) -> None:
         """After an engine step: the output tokens it delivered, its verify steps' accept lengths, and the
@@ -35,6 +46,7 @@ class ThroughputLog:
         if self._tokens or snapshot.get("num_running_requests"):
             log.info("%s", self.line(now - self._since, snapshot))
         self._since, self._tokens, self._accepts = now, 0, []
+        self._prefix = prefix_totals(snapshot)
 
     def line(self, seconds: float, snapshot: dict[str, float]) -> str:
         used, budget = int(snapshot.get("kv_tokens_used", 0)), int(snapshot.get("kv_tokens_budget", 0))
@@ -42,6 +54,10 @@ class ThroughputLog:
         tau = ""
         if self.speculative and self._accepts:
             tau = f" | tau {sum(self._accepts) / len(self._accepts):.2f}"
+        hit_total, miss_total = prefix_totals(snapshot)
+        hits, misses = hit_total - self._prefix[0], miss_total - self._prefix[1]
+        prefix = f" | prefix cache hit {100 * hits / (hits + misses):.0f}%" if hits + misses > 0 else ""
         return (f"{int(snapshot.get('num_running_requests', 0))} running, "
                 f"{int(snapshot.get('num_waiting_requests', 0))} waiting | "
-                f"{self._tokens / seconds:.1f} tok/s over {seconds:.1f} s{tau} | KV {used}/{budget}{share}")
+                f"{self._tokens / seconds:.1f} tok/s over {seconds:.1f} s{tau} | KV {used}/{budget}{share}"
+                f"{prefix}")
