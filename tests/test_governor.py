@@ -28,7 +28,7 @@ def plain_step(gov: SpecGovernor, batch: list[Sequence], seconds: float) -> None
 
 
 def test_measures_both_kinds_then_picks_the_faster_and_probes():
-    gov, batch = SpecGovernor(alpha=1.0, tau_alpha=1.0, probe_spec_every=3, probe_plain_every=4), seqs(2)
+    gov, batch = SpecGovernor(window=1, tau_alpha=1.0, probe_spec_every=3, probe_plain_every=4), seqs(2)
     assert gov.speculate(batch, DraftShape(4))  # nothing measured: try DFlash
     spec_step(gov, batch, [1, 1], seconds=0.15)  # tau 1 at 1.5x a plain step's cost
     assert not gov.speculate(batch, DraftShape(4))  # the plain cost is unknown: try it
@@ -47,7 +47,7 @@ def test_measures_both_kinds_then_picks_the_faster_and_probes():
 
 
 def test_costs_are_per_block_and_batch_size_and_new_requests_start_from_the_average():
-    gov, batch = SpecGovernor(alpha=1.0, tau_alpha=1.0), seqs(1)
+    gov, batch = SpecGovernor(window=1, tau_alpha=1.0), seqs(1)
     spec_step(gov, batch, [1], seconds=0.2)
     plain_step(gov, batch, 0.1)
     assert not gov.speculate(batch, DraftShape(4))
@@ -55,6 +55,16 @@ def test_costs_are_per_block_and_batch_size_and_new_requests_start_from_the_aver
     assert gov.speculate(batch, DraftShape(2))  # block size 2 never measured
     newcomer = seqs(1)
     assert not newcomer[0].tau_estimates and not gov.speculate(newcomer, DraftShape(4))  # prior: tau 1 so far
+
+
+def test_one_stalled_step_does_not_move_a_cost():
+    gov, batch = SpecGovernor(tau_alpha=1.0, window=5), seqs(1)
+    for _ in range(3):
+        spec_step(gov, batch, [2], seconds=0.25)  # 2 tokens per 0.25 s
+        plain_step(gov, batch, 0.10)  # 1 token per 0.10 s: faster
+    plain_step(gov, batch, 3.0)  # the machine stalled once
+    assert gov.seconds((1, 1)) == pytest.approx(0.10)
+    assert not gov.speculate(batch, DraftShape(4))
 
 
 def test_a_first_unlucky_block_moves_a_request_from_the_prior_not_to_its_sample():
@@ -69,7 +79,7 @@ def test_a_first_unlucky_block_moves_a_request_from_the_prior_not_to_its_sample(
     assert gov.speculate(newcomer, DraftShape(4))  # ~2.8 tokens per 0.12 s still beats 1 per 0.10 s
 
 
-@pytest.mark.parametrize("kwargs", [dict(alpha=0.0), dict(alpha=1.5), dict(tau_alpha=0.0),
+@pytest.mark.parametrize("kwargs", [dict(window=0), dict(tau_alpha=1.5), dict(tau_alpha=0.0),
                                     dict(probe_spec_every=0)])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError, match="SpecGovernor"):
@@ -141,7 +151,7 @@ def test_governed_generation_mixes_steps_and_matches_plain(engine):
 
 def test_mixed_lookup_steps_are_weighed_against_dflash_steps():
     """Only some rows copying: a wider step pays off when the copied rows' lookup tau outweighs its cost."""
-    gov, batch = SpecGovernor(alpha=1.0, tau_alpha=1.0), seqs(2)
+    gov, batch = SpecGovernor(window=1, tau_alpha=1.0), seqs(2)
     assert gov.mix(batch, [True, False], DraftShape(2), 4)  # nothing measured yet: try the wide step
     spec_step(gov, batch, [2, 2], 0.10, block_size=2)  # DFlash at B=2: 4 tokens per 0.10 s
     batch[0].stats.lookup_accept_lengths.append(4)

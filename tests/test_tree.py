@@ -160,7 +160,7 @@ def test_distribution_check_catches_the_min_p_over_q_rule_on_top_k_marginals(tmp
 
 
 def test_the_governor_takes_the_tree_only_where_it_commits_faster():
-    gov = SpecGovernor(alpha=1.0, tau_alpha=1.0, probe_plain_every=3)
+    gov = SpecGovernor(window=1, tau_alpha=1.0, probe_plain_every=3)
     batch = [Sequence([1, 2], SamplingParams(max_tokens=64), frozenset())]
     chain, tree = DraftShape(4), DraftShape(4, 8)
 

@@ -37,7 +37,8 @@ at::Tensor rms_norm(const at::Tensor& x_in, const c10::optional<at::Tensor>& wei
 void rms_norm_row(const float* x, const float* w, float eps, float* y, int64_t h) {
   float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int64_t i = 0; i < h; ++i) lanes[i % 8] += x[i] * x[i];
-  const float ss = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+  const float ss =
+      ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
   const float scale = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
   for (int64_t i = 0; i < h; ++i) y[i] = w ? (x[i] * scale) * w[i] : x[i] * scale;
 }

@@ -14,9 +14,9 @@
 // Packed layout (per group of 8 output rows, block after block; rows padded to a multiple of 8 with zeros):
 //   Q4_0: 8 fp16 d, then 4 chunks of 32 bytes;           Q4_1: 8 fp16 d, 8 fp16 m, then 4 chunks;
 //   Q8_0: 8 fp16 d, then 8 chunks of 32 bytes (each weight + 128, as unsigned).
-// Chunk c holds bytes 4c..4c+3 of each of the 8 rows' stored quants, row after row. For Q4 a stored byte j
-// holds weight j (low nibble) and weight j + 16 (high nibble), so chunk c's low nibbles are weights 4c..4c+3 and
-// its high nibbles weights 16+4c..16+4c+3; for Q8, chunk c is weights 4c..4c+3.
+// Chunk c holds bytes 4c..4c+3 of each of the 8 rows' stored quants, row after row. For Q4 a stored byte
+// j holds weight j (low nibble) and weight j + 16 (high nibble), so chunk c's low nibbles are weights
+// 4c..4c+3 and its high nibbles weights 16+4c..16+4c+3; for Q8, chunk c is weights 4c..4c+3.
 //
 // Files: int8_pack.cpp (the layouts), int8_ymm.cpp (portable, AVX2, AVX-VNNI), int8_zmm.cpp (AVX512-VNNI);
 // here the CPU's variant and the op.
@@ -53,8 +53,9 @@ bool has_vnni() {
 
 bool has_avx512() {
 #ifdef BLOCKSPEC_X86
-  static const bool ok = has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  static const bool ok = has_avx2() && __builtin_cpu_supports("avx512f") &&
+                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("avx512vnni");
   return ok;
 #else
   return false;
@@ -156,7 +157,8 @@ std::vector<int64_t> int8_variants() {
 }  // namespace blockspec_kernels
 
 TORCH_LIBRARY_FRAGMENT(blockspec, m) {
-  m.def("int8_matmul(Tensor x, Tensor packed, int qtype, int n, Tensor? residual=None, int variant=0) -> Tensor");
+  m.def("int8_matmul(Tensor x, Tensor packed, int qtype, int n, Tensor? residual=None, int variant=0) "
+        "-> Tensor");
   m.def("int8_variant() -> int", [] { return blockspec_kernels::int8_variant(); });
   m.def("int8_variants() -> int[]", [] { return blockspec_kernels::int8_variants(); });
 }

@@ -83,7 +83,8 @@ void Activations::resize(int64_t rows_, int64_t k) {
   d.resize(rows * blocks), ds.resize(rows * blocks), sum.resize(rows * blocks);
 }
 
-void quantize_activation_rows(const float* x, int64_t ldx, int64_t r0, int64_t r1, bool simd, Activations& a) {
+void quantize_activation_rows(const float* x, int64_t ldx, int64_t r0, int64_t r1, bool simd,
+                              Activations& a) {
   for (int64_t r = r0; r < r1; ++r) {
     for (int64_t b = 0; b < a.blocks; ++b) {
       const int64_t i = r * a.blocks + b;
@@ -138,7 +139,8 @@ at::Tensor int8_unpack(const at::Tensor& packed, int64_t qtype, int64_t n) {
   const int64_t rec = record_bytes(qtype), bytes = stored_block_bytes(qtype), nb = packed.size(1) / rec;
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   n <= packed.size(0) * kRows,
-              "blockspec int8_unpack: packed must be a contiguous uint8 [groups, blocks * record] of >= n rows");
+              "blockspec int8_unpack: packed must be a contiguous uint8 [groups, blocks * record] of >= n "
+              "rows");
   at::Tensor blocks = at::empty({n, nb * bytes}, packed.options());
   const uint8_t* src = packed.data_ptr<uint8_t>();
   uint8_t* dst = blocks.data_ptr<uint8_t>();

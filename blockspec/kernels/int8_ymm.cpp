@@ -73,7 +73,8 @@ AVX2_F16C __attribute__((always_inline)) inline void block_dots_avx2(const uint8
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 4 * c)), w);
-          dot[g * R + r] = _mm256_add_epi32(dot[g * R + r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, x), ones));
+          const __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, x), ones);
+          dot[g * R + r] = _mm256_add_epi32(dot[g * R + r], pairs);
         }
       }
     }
@@ -169,15 +170,16 @@ AVX2_F16C __attribute__((always_inline)) inline void scale_block(const uint8_t* 
     if constexpr (QT == kQ4_1) {
       const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pg + 16)));
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[g * R + r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(t.ds[r][b]), acc[g * R + r]);
+      for (int r = 0; r < R; ++r)
+        acc[g * R + r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(t.ds[r][b]), acc[g * R + r]);
     }
   }
 }
 
 // The tile's outputs, each plus its residual if there is one (read before the store: y may be res).
 template <int G, int R>
-AVX2_F16C __attribute__((always_inline)) inline void store_tile(const __m256* acc, float* y, int64_t ldy,
-                                                               int64_t outputs, const float* res, int64_t ldr) {
+AVX2_F16C __attribute__((always_inline)) inline void store_tile(
+    const __m256* acc, float* y, int64_t ldy, int64_t outputs, const float* res, int64_t ldr) {
   for (int g = 0; g < G; ++g) {
     for (int r = 0; r < R; ++r) {
       float* out = y + r * ldy + g * kRows;
@@ -188,7 +190,8 @@ AVX2_F16C __attribute__((always_inline)) inline void store_tile(const __m256* ac
       } else {  // a last group of fewer than 8 outputs (G is 1 there)
         alignas(32) float lanes[8];
         _mm256_store_ps(lanes, acc[g * R + r]);
-        for (int64_t o = 0; o < outputs; ++o) out[o] = res != nullptr ? lanes[o] + res[r * ldr + o] : lanes[o];
+        for (int64_t o = 0; o < outputs; ++o)
+          out[o] = res != nullptr ? lanes[o] + res[r * ldr + o] : lanes[o];
       }
     }
   }
@@ -273,8 +276,8 @@ void groups_portable(int64_t qtype, const uint8_t* w, int64_t stride, int64_t n,
                      const Activations& a, int64_t r0, int64_t r1, const Out& out) {
   for (int64_t g = g0; g < g1; ++g) {
     const Out og = out.at(g);
-    group_portable(qtype, w + g * stride, a.blocks, a, r0, r1, og.y, og.ldy, std::min<int64_t>(kRows, n - g * kRows),
-                   og.res, og.ldr);
+    group_portable(qtype, w + g * stride, a.blocks, a, r0, r1, og.y, og.ldy,
+                   std::min<int64_t>(kRows, n - g * kRows), og.res, og.ldr);
   }
 }
 

@@ -9,9 +9,9 @@ namespace blockspec_kernels::int8_detail {
 #ifdef BLOCKSPEC_X86
 namespace {
 
-// Two packed groups side by side make 16 outputs a register: each 32-byte chunk of group g and of g + 1 go into
-// the low and high halves, their 8 + 8 scales likewise; then the same integer dots and the same fp32 steps per
-// lane as the 256-bit kernels (same bits).
+// Two packed groups side by side make 16 outputs a register: each 32-byte chunk of group g and of g + 1 go
+// into the low and high halves, their 8 + 8 scales likewise; then the same integer dots and the same fp32
+// steps per lane as the 256-bit kernels (same bits).
 #define AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 AVX512 inline __m512i pair_load(const uint8_t* p, int64_t stride) {
@@ -54,7 +54,8 @@ AVX512 void tile_avx512(const uint8_t* panel, int64_t stride, const Activations&
             d = _mm512_dpbusd_epi32(d, v, _mm512_set1_epi32(word_at(t.xq[r] + b * 32 + 4 * c)));
           }
         } else {
-          const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+          const __m512i lo = _mm512_and_si512(v, nibble);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
 #pragma GCC unroll 12
           for (int r = 0; r < R; ++r) {
             dot[u * R + r] = _mm512_dpbusd_epi32(dot[u * R + r], lo,

@@ -42,9 +42,10 @@ std::vector<at::Tensor> int8_stack(const at::Tensor& x_in, at::TensorList weight
   // Every check before the team starts: nothing may throw inside it.
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && hidden % 32 == 0 && attn_width % 32 == 0 &&
                   intermediate % 32 == 0 && heads % kv_heads == 0 && d % 8 == 0 && d <= 256,
-              "blockspec decoder_layers: int8 activations need float32 x, widths that are multiples of 32 and a "
-              "head_dim that is a multiple of 8, at most 256");
-  TORCH_CHECK(cos.numel() == rows * d && sin.numel() == rows * d && cos.is_contiguous() && sin.is_contiguous(),
+              "blockspec decoder_layers: int8 activations need float32 x, widths that are multiples of 32 "
+              "and a head_dim that is a multiple of 8, at most 256");
+  TORCH_CHECK(cos.numel() == rows * d && sin.numel() == rows * d && cos.is_contiguous() &&
+                  sin.is_contiguous(),
               "blockspec decoder_layers: cos/sin must be contiguous [b, n, 1, d]");
   for (int64_t i = 0; i < layers; ++i) {
     TORCH_CHECK(cache_k[i].is_contiguous() && cache_v[i].is_contiguous() &&
@@ -74,14 +75,15 @@ std::vector<at::Tensor> int8_stack(const at::Tensor& x_in, at::TensorList weight
                   length <= max_len,
               "blockspec decoder_layers: one slot and start per batch row, length within the cache");
   for (int64_t bi = 0; bi < b; ++bi)
-    TORCH_CHECK(slots[bi] >= 0 && slots[bi] < cache_k[0].size(0) && starts[bi] >= 0 && starts[bi] + n <= max_len,
+    TORCH_CHECK(slots[bi] >= 0 && slots[bi] < cache_k[0].size(0) && starts[bi] >= 0 &&
+                    starts[bi] + n <= max_len,
                 "blockspec decoder_layers: row ", bi, " (slot ", slots[bi], ", start ", starts[bi],
                 ") is outside the cache");
   at::Tensor keep;
   if (visible.has_value()) {
     keep = visible->contiguous();
-    TORCH_CHECK(keep.scalar_type() == at::kBool && keep.dim() == 3 && keep.size(0) == b && keep.size(1) == n &&
-                    keep.size(2) == length,
+    TORCH_CHECK(keep.scalar_type() == at::kBool && keep.dim() == 3 && keep.size(0) == b &&
+                    keep.size(1) == n && keep.size(2) == length,
                 "blockspec decoder_layers: visible must be bool [b, n, L]");
   }
 
@@ -166,7 +168,8 @@ std::vector<at::Tensor> int8_stack(const at::Tensor& x_in, at::TensorList weight
       project(i, 2, 2 * intermediate, act_hidden, gup, nullptr);
 #pragma omp barrier
       share(rows, 1, t, threads, s0, s1);
-      for (int64_t r = s0; r < s1; ++r) silu_mul_row(gup + r * 2 * intermediate, mlpp + r * intermediate, intermediate);
+      for (int64_t r = s0; r < s1; ++r)
+        silu_mul_row(gup + r * 2 * intermediate, mlpp + r * intermediate, intermediate);
       quantize_activation_rows(mlpp + s0 * intermediate, intermediate, s0, s1, simd, act_mlp);
 #pragma omp barrier
       project(i, 3, hidden, act_mlp, xp, xp);
@@ -174,7 +177,8 @@ std::vector<at::Tensor> int8_stack(const at::Tensor& x_in, at::TensorList weight
       share(rows, 1, t, threads, s0, s1);
       for (int64_t c = 0; c < captured; ++c)
         if (capture[c] == i)
-          for (int64_t r = s0; r < s1; ++r) std::copy_n(xp + r * hidden, hidden, fp + (r * captured + c) * hidden);
+          for (int64_t r = s0; r < s1; ++r)
+            std::copy_n(xp + r * hidden, hidden, fp + (r * captured + c) * hidden);
     }
   }
   return {x.view({b, n, hidden}), features};
@@ -190,9 +194,9 @@ std::vector<at::Tensor> int8_stack(const at::Tensor& x_in, at::TensorList weight
 // [b, n, len(capture) * H].
 std::vector<at::Tensor> decoder_layers(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef qtypes,
                                        at::TensorList norms, at::TensorList qk_norms, double eps,
-                                       int64_t heads, int64_t kv_heads, int64_t intermediate, const at::Tensor& cos, const at::Tensor& sin,
-                                       at::TensorList cache_k, at::TensorList cache_v, at::IntArrayRef slots,
-                                       at::IntArrayRef starts,
+                                       int64_t heads, int64_t kv_heads, int64_t intermediate,
+                                       const at::Tensor& cos, const at::Tensor& sin, at::TensorList cache_k,
+                                       at::TensorList cache_v, at::IntArrayRef slots, at::IntArrayRef starts,
                                        int64_t length, const c10::optional<at::Tensor>& visible,
                                        at::IntArrayRef capture, bool int8) {
   const int64_t layers = static_cast<int64_t>(cache_k.size());
@@ -216,7 +220,8 @@ std::vector<at::Tensor> decoder_layers(const at::Tensor& x_in, at::TensorList we
     qkv = qkv.view({b, n, heads + 2 * kv_heads, d});
     if (!qk_norms.empty()) {
       qkv.narrow(2, 0, heads).copy_(rms_norm(qkv.narrow(2, 0, heads), qk_norms[2 * i], eps));
-      qkv.narrow(2, heads, kv_heads).copy_(rms_norm(qkv.narrow(2, heads, kv_heads), qk_norms[2 * i + 1], eps));
+      at::Tensor k = qkv.narrow(2, heads, kv_heads);
+      k.copy_(rms_norm(k, qk_norms[2 * i + 1], eps));
     }
     rope_(qkv.narrow(2, 0, heads + kv_heads), cos, sin);
     at::Tensor attn = cache_attention(qkv.narrow(2, 0, heads), qkv.narrow(2, heads, kv_heads),
@@ -234,72 +239,15 @@ std::vector<at::Tensor> decoder_layers(const at::Tensor& x_in, at::TensorList we
   return {x, at::cat(captured, -1)};
 }
 
-// A draft's context (DFlash): target features [b, n, F] projected by fc (blocks, fc_qtype) and normed by
-// hidden_norm into ctx [b, n, H], then for every draft layer its K (per-head k_norm, rotary) and V of ctx
-// (kv_weights[i]: the k and v rows of its fused qkv blocks, qtypes[i]) written to cache rows starts[b].. of
-// slots[b]: the ops the Python layers run, in the same order (same bits), as one op.
-void draft_context(const at::Tensor& features, const at::Tensor& fc, int64_t fc_qtype,
-                   const at::Tensor& hidden_norm, at::TensorList kv_weights, at::IntArrayRef qtypes,
-                   at::TensorList k_norms, double eps, int64_t kv_heads, const at::Tensor& cos,
-                   const at::Tensor& sin, at::TensorList cache_k, at::TensorList cache_v, at::IntArrayRef slots,
-                   at::IntArrayRef starts, bool int8) {
-  const int64_t layers = static_cast<int64_t>(cache_k.size());
-  TORCH_CHECK(features.dim() == 3 && static_cast<int64_t>(kv_weights.size()) == layers &&
-                  static_cast<int64_t>(qtypes.size()) == layers && static_cast<int64_t>(k_norms.size()) == layers &&
-                  static_cast<int64_t>(cache_v.size()) == layers && layers > 0,
-              "blockspec draft_context: features [b, n, F] and, per layer, a kv weight, type, k norm and caches");
-  const int64_t b = features.size(0), n = features.size(1), rows = b * n;
-  const int64_t d = cache_k[0].size(3), max_len = cache_k[0].size(2);
-  TORCH_CHECK(static_cast<int64_t>(slots.size()) == b && static_cast<int64_t>(starts.size()) == b &&
-                  cos.numel() == rows * d && sin.numel() == rows * d,
-              "blockspec draft_context: one slot and start per row; cos/sin [b, n, 1, d]");
-  for (int64_t bi = 0; bi < b; ++bi)
-    TORCH_CHECK(slots[bi] >= 0 && slots[bi] < cache_k[0].size(0) && starts[bi] >= 0 && starts[bi] + n <= max_len,
-                "blockspec draft_context: row ", bi, " (slot ", slots[bi], ", start ", starts[bi],
-                ") is outside the cache");
-  const c10::optional<at::Tensor> none;
-  auto project = [&](const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t width) {
-    return int8 ? int8_matmul(x, w, qtype, width, none, 0) : quant_matmul(x, w, qtype, false, none);
-  };
-  const int64_t hidden = hidden_norm.numel();
-  const at::Tensor ctx = rms_norm(project(features.reshape({rows, -1}).contiguous(), fc, fc_qtype, hidden),
-                                  hidden_norm, eps);
-  const at::Tensor cs = cos.contiguous(), sn = sin.contiguous();
-  for (int64_t i = 0; i < layers; ++i) {
-    TORCH_CHECK(cache_k[i].is_contiguous() && cache_v[i].is_contiguous() && k_norms[i].numel() == d,
-                "blockspec draft_context: contiguous caches and a k norm of head_dim values");
-    at::Tensor kv = project(ctx, kv_weights[i], qtypes[i], 2 * kv_heads * d);
-    float* kvp = kv.data_ptr<float>();
-    float* ck = cache_k[i].data_ptr<float>();
-    float* cv = cache_v[i].data_ptr<float>();
-    const float* kn = k_norms[i].data_ptr<float>();
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t bi = r / n, ni = r % n;
-      for (int64_t g = 0; g < kv_heads; ++g) {
-        float* k = kvp + r * 2 * kv_heads * d + g * d;
-        rms_norm_row(k, kn, static_cast<float>(eps), k, d);
-        rope_head(k, cs.data_ptr<float>() + r * d, sn.data_ptr<float>() + r * d, d);
-        const int64_t at_row = ((slots[bi] * kv_heads + g) * max_len + starts[bi] + ni) * d;
-        std::copy_n(k, d, ck + at_row);
-        std::copy_n(k + kv_heads * d, d, cv + at_row);
-      }
-    }
-  }
-}
-
 }  // namespace blockspec_kernels
 
 TORCH_LIBRARY_FRAGMENT(blockspec, m) {
-  m.def("draft_context(Tensor features, Tensor fc, int fc_qtype, Tensor hidden_norm, Tensor[] kv_weights, "
-        "int[] qtypes, Tensor[] k_norms, float eps, int kv_heads, Tensor cos, Tensor sin, Tensor(a!)[] cache_k, "
-        "Tensor(b!)[] cache_v, int[] slots, int[] starts, bool int8) -> ()");
-  m.def("decoder_layers(Tensor x, Tensor[] weights, int[] qtypes, Tensor[] norms, Tensor[] qk_norms, float eps, "
-        "int heads, int kv_heads, int intermediate, Tensor cos, Tensor sin, Tensor(a!)[] cache_k, "
+  m.def("decoder_layers(Tensor x, Tensor[] weights, int[] qtypes, Tensor[] norms, Tensor[] qk_norms, "
+        "float eps, int heads, int kv_heads, int intermediate, Tensor cos, Tensor sin, Tensor(a!)[] cache_k, "
         "Tensor(b!)[] cache_v, int[] slots, int[] starts, int length, Tensor? visible, int[] capture, "
         "bool int8=False) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(blockspec, CPU, m) {
   m.impl("decoder_layers", &blockspec_kernels::decoder_layers);
-  m.impl("draft_context", &blockspec_kernels::draft_context);
 }

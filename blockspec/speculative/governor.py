@@ -6,6 +6,9 @@ than a plain step, by a factor that depends on the hardware, the block size and 
 governor measures both: the wall time of each kind of step, per (block size, batch size), and each
 sequence's recent tau (a slow moving average: single accept lengths are noisy, and chasing them
 speculates on lucky streaks that do not last; a new sequence starts from the average over all sequences).
+A kind of step costs the median of its last `window` times: one stalled step (another process on the core,
+a page fault) would otherwise lift an average for long, and an inflated plain-step cost keeps the governor
+speculating where plain steps are faster, with no plain steps left to correct it.
 It speculates when mean tau x plain-step time > DFlash-step time, i.e. when DFlash is expected to commit
 more tokens per second. Neither estimate is trusted forever: after `probe_spec_every` plain steps in a
 row it speculates once (the text may have become predictable again), and after `probe_plain_every` DFlash
@@ -18,8 +21,9 @@ can resume at any step. Only speed changes.
 Prompt lookup (lookup.py) steps are timed too, under their width: a step where every row has a context
 match verifies the copies if `lookup_pays` (the all-row lookup tau x plain-step time > the wide step's
 time); when only some rows have one, `mix` weighs a step at the lookup width (those rows verify their copy,
-at the all-row lookup tau) against a DFlash step at block size B for every row. The governor only estimates; `plan.py`
-turns its answers into a step plan, and it learns from each finished step through `record`.
+at the all-row lookup tau) against a DFlash step at block size B for every row. The governor only
+estimates; `plan.py` turns its answers into a step plan, and it learns from each finished step through
+`record`.
 
 Where candidate trees are set (tree.py), a drafted step is a chain or a tree, each with its own cost and
 tau: `shape` picks the one expected to commit tokens faster (each is tried first, and the one not chosen
@@ -28,6 +32,8 @@ is probed again after `probe_plain_every` drafted steps), and `speculate` weighs
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from blockspec.engine.sequence import Sequence
@@ -36,12 +42,12 @@ from blockspec.speculative.plan import DraftShape, StepPlan
 
 @dataclass
 class SpecGovernor:
-    alpha: float = 0.3  # weight of the newest step time in the step-cost moving averages
+    window: int = 9  # recent times per kind of step whose median is its cost
     tau_alpha: float = 0.1  # weight of the newest accept length in the tau moving averages (noisier)
     probe_spec_every: int = 16
     probe_plain_every: int = 64
-    # (shape, batch) for drafted steps, (width, batch) for plain and lookup steps -> seconds per step
-    _seconds: dict[tuple, float] = field(default_factory=dict)
+    # (shape, batch) for drafted steps, (width, batch) for plain and lookup steps -> recent seconds per step
+    _times: dict[tuple, deque] = field(default_factory=dict)
     _tau: dict[DraftShape, float] = field(default_factory=dict)  # over all sequences (new ones start here)
     _streak: tuple[bool, int] = (True, 0)  # (kind of the last steps, how many in a row)
     _drafted: int = 0  # drafted steps so far
@@ -49,11 +55,18 @@ class SpecGovernor:
     _lookup_tau: float | None = None  # accept length of a prompt-lookup row, over all rows and sequences
 
     def __post_init__(self) -> None:
-        if not (0 < self.alpha <= 1 and 0 < self.tau_alpha <= 1) or min(self.probe_spec_every,
-                                                                         self.probe_plain_every) < 1:
-            raise ValueError(f"SpecGovernor: alpha={self.alpha} and tau_alpha={self.tau_alpha} must be in "
-                             f"(0, 1] and the probe intervals ({self.probe_spec_every}, "
+        if not 0 < self.tau_alpha <= 1 or min(self.window, self.probe_spec_every, self.probe_plain_every) < 1:
+            raise ValueError(f"SpecGovernor: tau_alpha={self.tau_alpha} must be in (0, 1] and window="
+                             f"{self.window} and the probe intervals ({self.probe_spec_every}, "
                              f"{self.probe_plain_every}) >= 1.")
+
+    def seconds(self, key: tuple) -> float | None:
+        """The cost of a kind of step (see `_times`): the median of its recent times; None if never run."""
+        times = self._times.get(key)
+        return statistics.median(times) if times else None
+
+    def _time(self, key: tuple, seconds: float) -> None:
+        self._times.setdefault(key, deque(maxlen=self.window)).append(seconds)
 
     @staticmethod
     def _average(old: float | None, new: float, alpha: float) -> float:
@@ -67,7 +80,7 @@ class SpecGovernor:
         at this batch size, or not for `probe_plain_every` drafted steps, first."""
         rates = {}
         for shape in shapes:
-            seconds = self._seconds.get((shape, len(seqs)))
+            seconds = self.seconds((shape, len(seqs)))
             taus = [self.expected_tau(s, shape) for s in seqs]
             stale = self._drafted - self._last_drafted.get(shape, -1 << 30) >= self.probe_plain_every
             if seconds is None or None in taus or stale:
@@ -77,8 +90,8 @@ class SpecGovernor:
 
     def speculate(self, seqs: list[Sequence], shape: DraftShape) -> bool:
         """Whether the next step for this batch should be a drafted step of this shape."""
-        spec = self._seconds.get((shape, len(seqs)))
-        plain = self._seconds.get((1, len(seqs)))
+        spec = self.seconds((shape, len(seqs)))
+        plain = self.seconds((1, len(seqs)))
         taus = [self.expected_tau(s, shape) for s in seqs]
         if spec is None or None in taus:
             return True  # not measured yet at this block size / batch size, or a sequence never tried
@@ -93,7 +106,7 @@ class SpecGovernor:
         """Whether a step verifying every row's copy (`width` rows per sequence) is expected to commit
         tokens faster than a plain step: measured first, and probed again after `probe_spec_every` plain
         steps in a row (the text may have turned repetitive)."""
-        wide, plain = self._seconds.get((width, len(seqs))), self._seconds.get((1, len(seqs)))
+        wide, plain = self.seconds((width, len(seqs))), self.seconds((1, len(seqs)))
         if wide is None or plain is None or self._lookup_tau is None:
             return True
         kind, run = self._streak
@@ -103,8 +116,8 @@ class SpecGovernor:
         """Whether a step verifying the copied rows' lookups (`width` rows per sequence, the other rows'
         drafted candidates padded to it) is expected to commit tokens faster than a drafted step of this
         shape for all rows. Measures the wide step first where it has no estimate."""
-        wide = self._seconds.get((max(width, shape.width), len(seqs)))
-        narrow = self._seconds.get((shape, len(seqs)))
+        wide = self.seconds((max(width, shape.width), len(seqs)))
+        narrow = self.seconds((shape, len(seqs)))
         taus = [self.expected_tau(s, shape) for s in seqs]
         if wide is None or narrow is None or self._lookup_tau is None or None in taus:
             return True
@@ -114,8 +127,7 @@ class SpecGovernor:
     def record(self, plan: StepPlan, seqs: list[Sequence], seconds: float) -> None:
         """Fold in a finished step: its wall time, under its kind and width, and the rows' accept lengths."""
         if plan.kind in ("lookup", "mixed"):
-            key = (plan.width, len(seqs))
-            self._seconds[key] = self._average(self._seconds.get(key), seconds, self.alpha)
+            self._time((plan.width, len(seqs)), seconds)
             self._streak = (True, 1)  # a plain streak ends
             for seq, source in zip(seqs, plan.sources):
                 if source == "lookup":
@@ -125,8 +137,7 @@ class SpecGovernor:
                     self.fold_tau(seq, plan.shape)
             return
         speculated = plan.kind == "dflash"
-        key = (plan.shape if speculated else 1, len(seqs))
-        self._seconds[key] = self._average(self._seconds.get(key), seconds, self.alpha)
+        self._time((plan.shape if speculated else 1, len(seqs)), seconds)
         kind, run = self._streak
         self._streak = (speculated, run + 1 if kind == speculated else 1)
         if speculated:
