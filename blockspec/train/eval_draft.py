@@ -30,6 +30,9 @@ def register(sub) -> None:
     p.add_argument("--dataset", default="humaneval,mt-bench",
                    help="comma list of humaneval, mt-bench, PATH.jsonl")
     p.add_argument("--block-sizes", default="2,3,4", help="comma list of block sizes >= 2")
+    p.add_argument("--draft-quantization", default="none", metavar="{none,q8_0,q4_0,q4_1}[,...]",
+                   help="comma list of forms to hold each draft's linear layers in (none: fp32), each scored "
+                        "on the same answers; blocks meet int8 activations as in the engine")
     p.add_argument("--num-prompts", type=int, default=20, help="seeded subset, as bench's")
     p.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers")
     p.add_argument("--seed", type=int, default=0, help="subset seed, as bench's --seed")
@@ -52,6 +55,17 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
+def _forms(text: str) -> list[str]:
+    from blockspec.config import DRAFT_QUANTIZATIONS
+
+    forms = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [f for f in forms if f not in DRAFT_QUANTIZATIONS or f == "auto"]
+    if not forms or bad:
+        raise BlockspecError(f"--draft-quantization {text!r}: each form must be one of none, "
+                             f"{', '.join(q for q in DRAFT_QUANTIZATIONS if q not in ('auto', 'none'))}.")
+    return forms
+
+
 def run_eval_draft(args: argparse.Namespace) -> None:
     from blockspec.bench.datasets import load_dataset, select_subset
     from blockspec.bench.report import command_line, machine_info, now_utc
@@ -62,7 +76,7 @@ def run_eval_draft(args: argparse.Namespace) -> None:
     from blockspec.train.data import TrainSequence
     from blockspec.train.features import target_features
 
-    sizes = _sizes(args.block_sizes)
+    sizes, forms = _sizes(args.block_sizes), _forms(args.draft_quantization)
     if args.draft_model_path is None and args.model_path is not None:
         raise BlockspecError("eval-draft: --model-path is not the embedded target, so there is no default "
                              "draft; pass --draft-model-path DIR.")
@@ -71,8 +85,17 @@ def run_eval_draft(args: argparse.Namespace) -> None:
     llm = LLM(EngineConfig(model_path=args.model_path, speculative_algorithm="NONE", device=args.device,
                            dtype="float32", threads=args.threads, max_num_seqs=max(1, args.num_prompts)))
     target, tokenizer = llm.target, llm.tokenizer
-    drafts = {path: load_draft(path, target.config, torch.float32, llm.device, tokenizer.token_to_id)
-              for path in paths}
+    if forms != ["none"] and llm.device.type != "cpu":
+        raise BlockspecError(f"--draft-quantization {args.draft_quantization}: block-held drafts run on the "
+                             f"CPU only; pass --device cpu or --draft-quantization none.")
+    drafts = {}
+    for path in paths:
+        for form in forms:
+            draft = load_draft(path, target.config, torch.float32, llm.device, tokenizer.token_to_id,
+                               quantization=None if form == "none" else form)
+            if form != "none":
+                draft.use_int8_activations()
+            drafts[path if forms == ["none"] else f"{path} ({form})"] = draft
     results: dict = {}
     for dataset in datasets:
         prompts, note = select_subset(dataset, args.num_prompts, args.seed)
