@@ -171,6 +171,7 @@ BAD = {
                     "--threads": ints(1, 1024)},
     "eval-draft": {"--model-path": FOLDER, "--draft-model-path": FOLDER, "--dataset": ["missing", "file"],
                    "--block-sizes": st.sampled_from(["1", "x", "", "2,999"]), "--num-prompts": ints(1),
+                   "--draft-quantization": st.sampled_from(["", "auto", "q5_0", "none,x", ","]),
                    "--max-new-tokens": ints(1), "--seed": ints(0, 2**63 - 1),
                    "--device": words("cpu", "cuda", "auto"), "--threads": ints(1, 1024),
                    "--json": ["dir", "under-file"]},

@@ -27,6 +27,9 @@ def register(sub) -> None:
                    help="prompt sets, a comma list of humaneval, mt-bench, PATH.jsonl")
     p.add_argument("--block-sizes", default="2,3,4",
                    help="block sizes to score, a comma list of integers >= 2")
+    p.add_argument("--draft-quantization", default="none", metavar="{none,q8_0,q4_0,q4_1}[,...]",
+                   help="forms to hold each draft's linear layers in, a comma list (none: fp32), each scored "
+                        "on the same answers; blocks meet int8 activations as in the engine (default: none)")
     p.add_argument("--num-prompts", type=int, default=20, help="seeded subset of prompts per set, as bench's")
     p.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers")
     p.add_argument("--seed", type=int, default=0, help="subset seed, as bench's --seed")
@@ -50,12 +53,23 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
+def _forms(text: str) -> list[str]:
+    from blockspec.config import DRAFT_QUANTIZATIONS
+
+    forms = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [f for f in forms if f not in DRAFT_QUANTIZATIONS or f == "auto"]
+    if not forms or bad:
+        raise BlockspecError(f"--draft-quantization {text!r:.80}: each form must be one of none, "
+                             f"{', '.join(q for q in DRAFT_QUANTIZATIONS if q not in ('auto', 'none'))}.")
+    return forms
+
+
 def run_eval_draft(args: argparse.Namespace) -> None:
     """Check every flag, path and dataset before the target loads, then evaluate (eval_draft.py)."""
     from blockspec.config import EngineConfig
     from blockspec.paths import check_folder, check_output_file
 
-    sizes = _sizes(args.block_sizes)
+    sizes, forms = _sizes(args.block_sizes), _forms(args.draft_quantization)
     for name in ("num_prompts", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise BlockspecError(f"--{name.replace('_', '-')}={getattr(args, name)} must be an integer >= 1.")
@@ -64,8 +78,11 @@ def run_eval_draft(args: argparse.Namespace) -> None:
     if args.draft_model_path is None and args.model_path is not None:
         raise BlockspecError("eval-draft: --model-path is not the embedded target, so there is no default "
                              "draft; pass --draft-model-path DIR.")
-    EngineConfig(model_path=args.model_path, speculative_algorithm="NONE", device=args.device,
-                 threads=args.threads)
+    config = EngineConfig(model_path=args.model_path, speculative_algorithm="NONE", device=args.device,
+                          threads=args.threads)
+    if forms != ["none"] and config.device.type != "cpu":
+        raise BlockspecError(f"--draft-quantization {args.draft_quantization}: block-held drafts run on the "
+                             f"CPU only; pass --device cpu or --draft-quantization none.")
     from blockspec.llm import DEFAULT_DRAFT
 
     paths = [p.strip() for p in (args.draft_model_path or str(DEFAULT_DRAFT)).split(",") if p.strip()]
@@ -79,4 +96,4 @@ def run_eval_draft(args: argparse.Namespace) -> None:
     datasets = [load_dataset(name.strip()) for name in args.dataset.split(",") if name.strip()]
     if not datasets:
         raise BlockspecError("--dataset is empty: name humaneval, mt-bench or a PATH.jsonl.")
-    run(args, sizes, paths, datasets)
+    run(args, sizes, paths, datasets, forms)

@@ -12,9 +12,10 @@ import torch
 from tqdm import tqdm
 
 
-
-def run_eval_draft(args: argparse.Namespace, sizes: list[int], paths: list[str], datasets: list) -> None:
-    """After eval_cli.py checked the flags: `sizes` the block sizes, `paths` the drafts, the prompt sets."""
+def run_eval_draft(args: argparse.Namespace, sizes: list[int], paths: list[str], datasets: list,
+                   forms: list[str]) -> None:
+    """After eval_cli.py checked the flags: `sizes` the block sizes, `paths` the drafts, the prompt sets,
+    `forms` how to hold each draft's linear layers ("none": dense fp32, or a block type)."""
     from blockspec.bench.datasets import select_subset
     from blockspec.bench.report import command_line, machine_info, now_utc
     from blockspec.config import EngineConfig
@@ -27,8 +28,14 @@ def run_eval_draft(args: argparse.Namespace, sizes: list[int], paths: list[str],
     llm = LLM(EngineConfig(model_path=args.model_path, speculative_algorithm="NONE", device=args.device,
                            dtype="float32", threads=args.threads, max_num_seqs=max(1, args.num_prompts)))
     target, tokenizer = llm.target, llm.tokenizer
-    drafts = {path: load_draft(path, target.config, torch.float32, llm.device, tokenizer.token_to_id)
-              for path in paths}
+    drafts = {}
+    for path in paths:
+        for form in forms:
+            draft = load_draft(path, target.config, torch.float32, llm.device, tokenizer.token_to_id,
+                               quantization=None if form == "none" else form)
+            if form != "none":
+                draft.use_int8_activations()
+            drafts[path if forms == ["none"] else f"{path} ({form})"] = draft
     results: dict = {}
     for dataset in datasets:
         prompts, note = select_subset(dataset, args.num_prompts, args.seed)
