@@ -128,13 +128,18 @@ def test_a_stream_stops_between_steps_with_what_it_has(llm):
 
 
 def test_ctrl_c_sets_a_flag_inside_and_interrupts_outside():
-    with InterruptFlag() as flag:
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.01)
-        assert flag.set
-    with pytest.raises(KeyboardInterrupt):
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.01)
+    # Python's own Ctrl-C handler first: a process started in the background inherits SIGINT ignored
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with InterruptFlag() as flag:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+            assert flag.set
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def converse(tiny, lines: list[str], timeout: float = 120.0) -> str:
