@@ -162,3 +162,19 @@ def test_mixed_lookup_steps_are_weighed_against_dflash_steps():
     assert gov.mix(batch, [True, False], DraftShape(2), 4)
     gov.record(mixed, batch, 0.20)  # the wide step got slow: 6 per 0.20 s < 4 per 0.10 s
     assert not gov.mix(batch, [True, False], DraftShape(2), 4)
+
+
+def test_all_row_lookup_steps_are_kept_only_while_they_beat_plain_steps():
+    gov, batch = SpecGovernor(window=1, tau_alpha=1.0, probe_spec_every=3), seqs(1)
+    assert gov.lookup_pays(batch, 4)  # nothing measured yet: try it
+    lookup = StepPlan.lookup([[7, 7, 7]], Speculation(2, 0, lookup_ngram=2, lookup_width=4))
+    batch[0].stats.lookup_accept_lengths.append(2)
+    gov.record(lookup, batch, 0.25)  # 2 tokens per 0.25 s
+    plain_step(gov, batch, 0.10)  # 1 per 0.10 s: faster
+    assert not gov.lookup_pays(batch, 4)
+    plain_step(gov, batch, 0.10)
+    plain_step(gov, batch, 0.10)
+    assert gov.lookup_pays(batch, 4)  # 3 plain steps in a row: probe the copies again
+    batch[0].stats.lookup_accept_lengths.append(4)
+    gov.record(lookup, batch, 0.25)  # the text turned repetitive: 4 per 0.25 s (lookup tau moves to 4)
+    assert gov.lookup_pays(batch, 4)
