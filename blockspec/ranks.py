@@ -125,7 +125,8 @@ def follow(llm) -> None:
 def stop(group: TPGroup, mirror: Mirror, processes: list) -> None:
     """Rank 0: tell the other ranks to stop, leave the group, and wait for the ranks it spawned."""
     try:
-        mirror.publish("stop")
+        if mirror.broken is None:  # else the group is gone already and the ranks stopped
+            mirror.publish("stop")
     except RuntimeError as exc:  # a rank is already gone
         log.warning("tensor-parallel ranks could not all be told to stop: %s", exc)
     leave()

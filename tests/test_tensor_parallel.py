@@ -171,6 +171,34 @@ def test_ranks_with_different_clocks_decide_alike(tiny):
     mp.start_processes(_launched_rank, args=(free_address(), settings), nprocs=2, start_method="spawn")
 
 
+def test_a_step_that_fails_on_rank_0_stops_the_engine_instead_of_hanging(tiny, monkeypatch):
+    import blockspec.speculative.decoder as decoder
+    from blockspec.engine.mirror import EngineStopped
+
+    two = LLM(tp_size=2, model_path=str(tiny["llama"]), draft_model_path=str(tiny["llama-draft"]),
+              device="cpu", max_model_len=128)
+    try:
+        plan, calls = decoder.choose_plan, []
+
+        def failing(*args):  # rank 0 only: rank 1 runs its own copy of the code, in its own process
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("planning failed")
+            return plan(*args)
+
+        monkeypatch.setattr(decoder, "choose_plan", failing)
+        with pytest.raises(RuntimeError, match="planning failed"):
+            two.generate([PROMPTS[0]], SamplingParams(max_tokens=16, ignore_eos=True))
+        monkeypatch.setattr(decoder, "choose_plan", plan)
+        start = time.perf_counter()
+        with pytest.raises(EngineStopped, match="planning failed.*Build a new LLM"):
+            two.generate([PROMPTS[1]], SamplingParams(max_tokens=4))
+        assert time.perf_counter() - start < 5
+    finally:
+        two.close()
+    assert not any(p.is_alive() for p in two._processes)
+
+
 # ---- the embedded SmolLM2: GGUF blocks split by KV groups (3 over 2 ranks) ------------------------------
 def test_smollm2_tp2_equals_tp1(smollm2_dir):
     """The test prompts of test_smollm2.py, batched (the ranks step both rows together)."""

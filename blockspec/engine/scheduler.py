@@ -174,8 +174,16 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Admit, prefill, decode once; returns the sequences that ran this step (finished ones included)."""
-        if self.mirror is not None:
-            self.mirror[0].publish("step", self.mirror[1])
+        if self.mirror is None:
+            return self._step()
+        self.mirror[0].publish("step", self.mirror[1])
+        try:
+            return self._step()
+        except BaseException as exc:  # the other ranks are mid-step: stop them rather than hang (mirror.py)
+            self.mirror[0].fail(exc)
+            raise
+
+    def _step(self) -> list[Sequence]:
         self._retire()
         self._make_room()
         self._admit()
