@@ -223,7 +223,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "or none: dense fp32 (default: auto)")
     g.add_argument("--draft-quantization", choices=list(DRAFT_QUANTIZATIONS), default="auto",
                    help="the draft's linear layers on the CPU: blocks of a type, quantized from its "
-                        "checkpoint at load, or none: dense (default: auto, q8_0 when the target holds blocks)")
+                        "checkpoint at load, or none: dense (default: auto, q8_0 when the target holds "
+                        "blocks)")
     g.add_argument("--cpu-activations", choices=list(CPU_ACTIVATIONS), default="auto",
                    help="how block weights meet activations on the CPU: int8 (each row quantized to blocks "
                         "of 32, integer dot products: fastest), fp32 (the exact reference), or auto "

@@ -58,7 +58,8 @@ def main() -> None:
                     times.setdefault((form, "verify", rows), []).append(end - start)
     median = {key: statistics.median(values[3:]) for key, values in times.items()}
     print(f"threads={args.threads}  (ms, median; x: against the same form's one-row pass)")
-    print(f"{'rows':>5}" + "".join(f"{f'{form} {part}':>22}" for form in targets for part in ("stack", "verify")))
+    columns = [f"{form} {part}" for form in targets for part in ("stack", "verify")]
+    print(f"{'rows':>5}" + "".join(f"{column:>22}" for column in columns))
     for rows in rows_list:
         cells = []
         for form in targets:

@@ -46,7 +46,8 @@ def main() -> None:
     print(f"threads={args.threads}; median us per call (G multiply-adds/s)\n")
     print("| tensor | type | rows | " + " | ".join(forms) + " | best int8 vs fp32 |")
     print("|---|---|---|" + "---|" * len(forms) + "---|")
-    cases = [(label, [checkpoint.get(pattern.format(i)) for i in range(30)]) for pattern, label in SHAPES.items()]
+    cases = [(label, [checkpoint.get(pattern.format(i)) for i in range(30)])
+             for pattern, label in SHAPES.items()]
     cases.append(("lm_head 49152x576", [checkpoint.get("model.embed_tokens.weight")] * 2))
     for label, tensors in cases:
         packed = [op.int8_pack(t.data, t.qtype.ggml_id) for t in tensors]

@@ -158,8 +158,8 @@ def test_batched_long_prompts_give_each_request_its_tokens_alone(smollm2_dir):
     from blockspec.bench.datasets import load_dataset
 
     llm = LLM(max_num_seqs=4, max_model_len=1024, prefill_tokens_per_step=96)
-    prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": p.turns[0]}]))
-               for p in load_dataset("humaneval").prompts[:4]]
+    chats = [[{"role": "user", "content": p.turns[0]}] for p in load_dataset("humaneval").prompts[:4]]
+    prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(chat)) for chat in chats]
     params = SamplingParams(max_tokens=32)
     alone = [llm.generate([ids], params, speculative_algorithm="NONE")[0].token_ids for ids in prompts]
     assert [o.token_ids for o in llm.generate(prompts, params, speculative_algorithm="NONE")] == alone

@@ -37,8 +37,8 @@ class Mirror:
     def publish(self, *command) -> None:
         """Rank 0: send what was recorded, then `command`, to the other ranks (one broadcast)."""
         if self.broken is not None:
-            raise EngineStopped(f"The tensor-parallel engine stopped after a step failed ({self.broken}); its "
-                                f"ranks are out of step. Build a new LLM (or restart the server).")
+            raise EngineStopped(f"The tensor-parallel engine stopped after a step failed ({self.broken}); "
+                                f"its ranks are out of step. Build a new LLM (or restart the server).")
         commands, self.pending = [*self.pending, command], []
         self.group.broadcast_object(commands)
 

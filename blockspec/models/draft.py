@@ -134,7 +134,8 @@ class DFlashDraft(nn.Module):
                   for layer in self.layers] if runs else []
             self.__dict__["_context_stack"] = None if not runs else (
                 fc.data, fc.qtype.ggml_id, self.hidden_norm.weight, [w.data for w in kv],
-                [w.qtype.ggml_id for w in kv], [layer.self_attn.k_norm.weight for layer in self.layers], stack[4])
+                [w.qtype.ggml_id for w in kv], [layer.self_attn.k_norm.weight for layer in self.layers],
+                stack[4])
         return self.__dict__["_context_stack"]
 
     def inject(self, features: torch.Tensor, batch: ForwardBatch) -> None:

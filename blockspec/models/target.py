@@ -81,9 +81,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm.fold_into(self.mlp.gate_up_proj)
 
 
-# A layer stack for blockspec/kernels/layer_stack.cpp: every layer's blocks (qkv, o, gate_up, down), their GGML
-# types, norm weights (input, post-attention), per-head q/k norm weights (Qwen3; else none) and whether the
-# blocks take int8 activations.
+# A layer stack for blockspec/kernels/layer_stack.cpp: every layer's blocks (qkv, o, gate_up, down), their
+# GGML types, norm weights (input, post-attention), per-head q/k norm weights (Qwen3; else none) and whether
+# the blocks take int8 activations.
 BlockStack = tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[torch.Tensor], bool]
 
 
@@ -100,9 +100,11 @@ def block_stack(layers) -> BlockStack | None:
     qk = [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in layers]
     if len(forms) != 1 or len({q is None for q, _ in qk}) != 1:
         return None
+    norms = [norm.weight for layer in layers
+             for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+    qk_norms = [norm.weight for pair in qk for norm in pair if norm is not None]
     return ([linear.quant.data for linear in linears], [linear.quant.qtype.ggml_id for linear in linears],
-            [norm.weight for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)],
-            [norm.weight for pair in qk for norm in pair if norm is not None], forms == {"int8"})
+            norms, qk_norms, forms == {"int8"})
 
 
 class CausalLM(nn.Module):

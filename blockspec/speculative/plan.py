@@ -126,9 +126,10 @@ def choose_plan(seqs: list[Sequence], copies: list[list[int]], speculation: Spec
                 governor) -> StepPlan:
     """Prompt lookup where every row's context has a match (a copy is right far more often than the draft)
     and the governor expects it to beat a plain step; when only some rows have one, a mixed step if the
-    governor expects it to beat a drafted step for all; otherwise a drafted step (its chain or its tree, whichever the governor expects to commit tokens faster)
-    or, where the governor expects speculating not to pay, a plain one (which keeps the target's features,
-    so the draft can catch up later). governor None: always speculate, with the tree if one is set."""
+    governor expects it to beat a drafted step for all; otherwise a drafted step (its chain or its tree,
+    whichever the governor expects to commit tokens faster) or, where the governor expects speculating not
+    to pay, a plain one (which keeps the target's features, so the draft can catch up later). governor None:
+    always speculate, with the tree if one is set."""
     shapes = speculation.shapes
     shape = shapes[-1] if governor is None or len(shapes) == 1 else governor.shape(seqs, shapes)
     copied = [bool(c) for c in copies]
