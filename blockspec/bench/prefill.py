@@ -46,11 +46,10 @@ def check_lengths(lengths: list[int], max_model_len: int) -> None:
 
 def run_prefill(llm, methods: list[Method], lengths: list[int], repetitions: int = REPETITIONS,
                 progress: bool = True) -> list[dict]:
-    """One row per length: every method's times to first token, their medians, and plain decoding's
-    median over each peer's."""
+    """One row per length (each checked first: `check_lengths`): every method's times to first token,
+    their medians, and plain decoding's median over each peer's."""
     from tqdm.auto import tqdm
 
-    check_lengths(lengths, llm.max_model_len)
     one_token = SamplingParams(max_tokens=1)
     warm = prefill_prompts(llm, min(lengths), 1)[0]
     for method in methods:  # uncounted: the first long prompt pays for allocation
