@@ -3,9 +3,11 @@ int8 and fp32 activations side by side: the layer stack alone, and with the gree
 verify pass: the target's choice at each verified position).
 
 Usage: PYTHONPATH=. python scripts/block_rows_bench.py [--threads 2] [--rows 1,2,5,9,17,33,64] [--rounds 15]
+    [--forms int8,fp32]
 Batch 1 at position 300 (a typical context), features captured as in a DFlash step; each round times every
-row count in one form, then in the other (a form's weights then come from cache as in a run of steps, not
-from memory after the other form's); medians of the rounds after the first three.
+row count in one form, then in the other; medians of the rounds after the first three. With both forms
+loaded their weights compete for the cache, which slows a one-row pass more than a wide one: `--forms
+int8` alone is what decoding with the default sees.
 """
 
 import argparse
@@ -28,11 +30,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", default="1,2,5,9,17,33,64")
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--forms", default="int8,fp32", help="activation forms to load and time")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows_list = [int(r) for r in args.rows.split(",")]
     targets = {}
-    for form in ("int8", "fp32"):
+    for form in args.forms.split(","):
         target = load_target(ensure_default_model(weights=False), torch.float32, torch.device("cpu"),
                              "stored", gguf_path())
         target.fold_norm_weights()
