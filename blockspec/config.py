@@ -26,6 +26,7 @@ MAX_BLOCK_SIZE = 64
 MAX_SLOTS = 4096  # requests decoded together: each holds a KV slot
 MAX_THREADS = 1024
 TREE_RULES = ("best-first", "spine-first")
+MERGE_RULES = ("auto", "always", "never")
 # Integer settings: (lowest, highest, what the value means); None is allowed for those in OPTIONAL.
 RANGES = {
     "block_size": (2, MAX_BLOCK_SIZE, " (the pending token plus the drafted ones), or unset for the draft's "
@@ -83,6 +84,9 @@ class EngineConfig:
     adaptive_speculation: bool = True  # a plain step where speculating is not expected to pay
     prompt_lookup_ngram: int = 2  # propose a context copy after a match of >= N tokens (0: off)
     prompt_lookup_block_size: int | None = None  # tokens verified per lookup step; None: max(4, block size)
+    # a copy verified with the draft's candidates as one tree: auto (adaptive speculation decides), always,
+    # or never
+    prompt_lookup_merge: str = "auto"
     speculative_tree_budget: int = 0  # candidate trees of this many nodes (0: the draft's chain only)
     speculative_tree_topk: int = 4  # a tree's tokens per block position, at most
     speculative_tree_rule: str = "best-first"  # or "spine-first": the draft's chain, then the best others
@@ -163,6 +167,9 @@ class EngineConfig:
         if self.speculative_tree_rule not in TREE_RULES:
             raise BlockspecError(f"{setting('speculative_tree_rule')}={self.speculative_tree_rule!r:.80} "
                                  f"must be one of {', '.join(TREE_RULES)}.")
+        if self.prompt_lookup_merge not in MERGE_RULES:
+            raise BlockspecError(f"{setting('prompt_lookup_merge')}={self.prompt_lookup_merge!r:.80} "
+                                 f"must be one of {', '.join(MERGE_RULES)}.")
 
     def weight_blocks(self, embedded: bool) -> str | None:
         """How the target holds its weights: None (dense, in `dtype`), a block type for every linear layer,
@@ -239,6 +246,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-lookup-block-size", type=int, default=None, metavar="W",
                    help="tokens verified per prompt-lookup step, the pending one included "
                         "(default: max(4, B))")
+    g.add_argument("--prompt-lookup-merge", choices=list(MERGE_RULES), default="auto",
+                   help="verify a request's context copy and the draft's candidates in one pass as one tree, "
+                        "keeping whichever the target agrees with: auto (where adaptive speculation measures "
+                        "it faster; without it: never), always (whenever a copy exists) or never (output is "
+                        "identical either way; default: auto)")
     g.add_argument("--speculative-tree-budget", type=int, default=0, metavar="N",
                    help="DFlash steps may verify a tree of N candidate tokens built from the draft's top "
                         "choices per block position instead of its chain alone; adaptive speculation "

@@ -94,7 +94,7 @@ def test_greedy_dflash_equals_plain(models, prompts, size, max_tokens, stops, in
         assert all(1 <= a <= size for a in s.stats.accept_lengths)
         assert all(1 <= a <= engine.speculation.lookup_width for a in s.stats.lookup_accept_lengths)
         assert len(s.output_ids) <= sum(s.stats.accept_lengths) + sum(s.stats.lookup_accept_lengths) + \
-            s.stats.plain_steps + 1
+            sum(s.stats.merged_accept_lengths) + s.stats.plain_steps + 1
     assert engine.runner.pool.num_free == engine.runner.pool.num_slots  # every slot came back
     draft.vocab, engine.dflash.governor, engine.speculation.lookup_ngram = None, None, 0
 
@@ -180,24 +180,27 @@ def max_z(counts: Counter, probs: dict, n: int, min_expected: float = 20.0) -> f
 
 
 def worst_deviation(folder, params, lookup_ngram: int = 0, quantization: str | None = None,
-                    tree: tuple[int, int, str] = (0, 4, "best-first")) -> float:
+                    tree: tuple[int, int, str] = (0, 4, "best-first"), merge: str = "auto") -> float:
     """Sample tokens 2 and 3 (drafted positions 1 and 2 of a block) 8000 times with DFlash and return
     the largest standardised deviation from the exact target distribution. With `lookup_ngram` the prompt
-    holds every token id, so every token has a match and the steps verify prompt-lookup blocks; `tree`
-    (budget, top-k, rule): the steps verify candidate trees."""
+    holds every token id, so every token has a match and the steps verify prompt-lookup blocks (merge
+    "always": each merged into the draft's candidates as one tree); `tree` (budget, top-k, rule): the
+    steps verify candidate trees."""
     write_tiny_target(folder / "t", "llama", vocab_size=16, seed=3)
     cfg = ModelConfig.from_folder(folder / "t")
     write_tiny_draft(folder / "d", cfg, block_size=4, mask_token_id=15)
     target = load_target(folder / "t", torch.float32, DEVICE, quantization)
     draft = load_draft(folder / "d", cfg, torch.float32, DEVICE)
-    engine = TinyEngine(target, draft, 4, num_slots=64, max_len=32, lookup=(lookup_ngram, 4), tree=tree)
+    engine = TinyEngine(target, draft, 4, num_slots=64, max_len=32, lookup=(lookup_ngram, 4), tree=tree,
+                        merge=merge)
     prompt = [(7 * i + 3) % 16 for i in range(16)] if lookup_ngram else [3, 1]
     sp, n = SamplingParams(max_tokens=3, **params), 8000
     seqs = [Sequence(prompt, SamplingParams(max_tokens=3, seed=i, **params), frozenset()) for i in range(n)]
     engine.run(seqs, use_draft=True)
     outputs = [tuple(s.output_ids) for s in seqs]
     if lookup_ngram:
-        assert all(s.stats.lookup_accept_lengths and not s.stats.accept_lengths for s in seqs)
+        copies = "merged_accept_lengths" if merge == "always" else "lookup_accept_lengths"
+        assert all(getattr(s.stats, copies) and not s.stats.accept_lengths for s in seqs)
     assert all(s.stats.tree_steps == (len(s.stats.accept_lengths) if tree[0] else 0) for s in seqs)
 
     first = exact_next(target, [prompt], sp)[0]

@@ -127,11 +127,16 @@ class ScriptedGovernor:
         step."""
         return self.speculate(seqs, shape)
 
+    def merge(self, seqs, copied, shape, width) -> bool:
+        """Rows with a copy: the same script decides whether the copies merge with the draft's candidates
+        (else the copies alone are verified)."""
+        return self.speculate(seqs, shape)
+
     def shape(self, seqs, shapes):
         """Drafted steps take the chain and the tree in turn."""
         return shapes[self.step % len(shapes)]
 
-    def record(self, plan, seqs, seconds) -> None:
+    def record(self, plan, seqs, seconds, alone=None) -> None:
         pass
 
 
@@ -141,12 +146,12 @@ class TinyEngine:
     def __init__(self, target, draft, block_size: int, num_slots: int, max_len: int,
                  lookup: tuple[int, int] = (0, 0), governor=None, tree: tuple[int, int, str] = (0, 4,
                                                                                    "best-first"),
-                 prefix_caching: bool = False) -> None:
+                 prefix_caching: bool = False, merge: str = "auto") -> None:
         from blockspec.engine.runner import ModelRunner
         from blockspec.speculative.decoder import Decoder
         from blockspec.speculative.plan import Speculation
 
-        self.speculation = Speculation(block_size, draft.config.mask_token_id, *lookup, *tree)
+        self.speculation = Speculation(block_size, draft.config.mask_token_id, *lookup, *tree, merge)
         self.runner = ModelRunner(target, draft, num_slots, max_len, self.speculation.row_counts,
                                   prefix_caching=prefix_caching)
         self.dflash = Decoder(self.runner, self.speculation, governor)

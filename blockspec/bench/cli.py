@@ -219,6 +219,7 @@ def run_bench_command(args: argparse.Namespace) -> None:
         "tp_communication": llm.tp.stats.snapshot() if llm.tp is not None else None,  # rank 0's, whole run
         "prompt_lookup_ngram": lookup.lookup_ngram if lookup else None,
         "prompt_lookup_block_size": lookup.lookup_width if lookup else None,
+        "prompt_lookup_merge": lookup.merge if lookup else None,
         "speculative_tree_topk": llm.speculation.tree_topk if has_draft else None,
         "speculative_tree_rule": llm.speculation.tree_rule if has_draft else None,
         "notes": notes, "machine": machine_info(llm.device, llm.dtype),

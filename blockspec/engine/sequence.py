@@ -32,7 +32,7 @@ class Sequence:
     # With params.logprobs: per output token, its log-probabilities under the target.
     logprobs: list[TokenLogprob] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
-    # Moving averages of its accept lengths per kind of drafted step (the governor's: chain, tree)
+    # Moving averages of its accept lengths per kind of drafted step (the governor's: chain, tree, merged)
     tau_estimates: dict = field(default_factory=dict)
     # Target features [K*H] of the last positions (num_cached - len .. num_cached - 1) that plain steps
     # captured but did not yet inject into the draft's cache: injected in one pass when it next drafts.
@@ -73,15 +73,18 @@ class Sequence:
         """The absolute position of the next token to be committed (the key of its draw)."""
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def emit(self, tokens: list[int], proposer: str = "target", logits: torch.Tensor | None = None) -> int:
+    def emit(self, tokens: list[int], proposer: str | list[str] = "target",
+             logits: torch.Tensor | None = None) -> int:
         """Append tokens in order until a stop token (kept) or max_tokens; returns how many were taken.
         Stops are found by position in the committed run, never by filtering token values. tokens[:-1]
-        were proposed by `proposer` ("draft" or "lookup") and accepted; the last is the target's own.
-        `logits` [len(tokens), V]: the target's raw logits that chose each (for params.logprobs)."""
+        were proposed by `proposer` ("draft" or "lookup", or one of them per token) and accepted; the last is
+        the target's own. `logits` [len(tokens), V]: the target's raw logits that chose each (for
+        params.logprobs)."""
         taken, step, last = 0, self.stats.num_steps, len(tokens) - 1
         for i, token in enumerate(tokens):
             self.output_ids.append(token)
-            self.token_sources.append((proposer if i < last else "target", step))
+            source = "target" if i == last else proposer if isinstance(proposer, str) else proposer[i]
+            self.token_sources.append((source, step))
             taken += 1
             if self.first_token_time is None:
                 self.first_token_time = time.perf_counter()

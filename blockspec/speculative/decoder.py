@@ -1,11 +1,11 @@
 """One decode step for every running request, read top to bottom: plan, propose, verify, accept, commit.
 
 Every step verifies, per row, its pending token plus some candidates in one causal pass of the target:
-none (a plain step), the DFlash draft's block, or a continuation copied from the row's own context
-(prompt lookup). Acceptance keeps the longest run of candidates the target agrees with (greedy) or
-would have sampled (sampled, lossless), and the target's own next token follows it. So whatever the
-plan, the output is exactly the target's; plans differ only in how many tokens a step commits and what
-the step costs, which is all the governor weighs.
+none (a plain step), the DFlash draft's block, a continuation copied from the row's own context (prompt
+lookup), or the two together as one tree (merge.py). Acceptance keeps the longest run of candidates the
+target agrees with (greedy) or would have sampled (sampled, lossless), and the target's own next token
+follows it. So whatever the plan, the output is exactly the target's; plans differ only in how many tokens
+a step commits and what the step costs, which is all the governor weighs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from blockspec.speculative.accept import Outcome, accept, accept_trees
 from blockspec.speculative.dflash import MAX_UNFED, DFlashProposer
 from blockspec.speculative.governor import SpecGovernor
 from blockspec.speculative.lookup import lookups
-from blockspec.speculative.plan import Speculation, StepPlan, choose_plan
+from blockspec.speculative.merge import MergedTree
+from blockspec.speculative.plan import DraftShape, Speculation, StepPlan, choose_plan
 from blockspec.speculative.tree import Tree, build_tree
 
 
@@ -52,12 +53,12 @@ class Decoder:
             self.threads.tick()
         plan = self.last_plan = self.plan(seqs)
         start = time.perf_counter()
-        self.run(seqs, plan)
+        alone = self.run(seqs, plan)
         if self.governor is not None and self.speculation is not None:  # the step ended in a host sync
             seconds = time.perf_counter() - start
             if self.runner.tp is not None:  # every rank's governor learns rank 0's time: they plan alike
                 seconds = self.runner.tp.broadcast_float(seconds)
-            self.governor.record(plan, seqs, seconds)
+            self.governor.record(plan, seqs, seconds, alone)
 
     def plan(self, seqs: list[Sequence]) -> StepPlan:
         spec = self.speculation
@@ -69,7 +70,9 @@ class Decoder:
         return choose_plan(seqs, copies, spec, self.governor)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], plan: StepPlan) -> None:
+    def run(self, seqs: list[Sequence], plan: StepPlan) -> dict[int, tuple[int, int]]:
+        """Run a planned step; returns, per merged row that committed, the tokens its draft's candidates
+        alone and its copy alone would have committed (MergedTree.alone: the governor's counterfactuals)."""
         runner, device = self.runner, self.runner.device
         starts = [s.num_cached for s in seqs]
 
@@ -78,7 +81,7 @@ class Decoder:
         #    row: this step's features go straight in.
         if plan.drafts:
             self.draft.catch_up(seqs)
-        candidates, trees = self.propose(seqs, plan)
+        candidates, trees, merged = self.propose(seqs, plan)
 
         # 2. Verify: one target pass over [pending, candidates...] per row (trees: each node seeing its
         #    ancestors).
@@ -108,33 +111,39 @@ class Decoder:
         paths = [[] if outcome is None else outcome[0] for outcome in outcomes]
         if trees is not None:
             runner.keep_paths(seqs, paths)
-            kept = [[0] + path + [0] * (plan.width - 1 - len(path)) for path in paths]
+            kept = [[0] + path + [0] * (candidates.shape[1] - len(path)) for path in paths]
             features = features.gather(1, torch.tensor(kept, device=device).unsqueeze(-1).expand(
                 -1, -1, features.shape[-1]))
         if plan.drafts:
             runner.inject(seqs, features, starts)
+        alone, drafted_trees = {}, plan.shape is not None and plan.shape.tree_budget > 0
         for row, (seq, outcome) in enumerate(zip(seqs, outcomes)):
             if outcome is None:  # the request failed: it leaves at the end of the step
                 continue
             path, bonus, logits = outcome
             seq.num_cached += len(path) + 1
-            tally(seq, plan.sources[row], len(path) + 1, plan.capture, plan.trees)
+            tally(seq, plan.sources[row], len(path) + 1, plan.capture, drafted_trees)
             if plan.capture and not plan.drafts:
                 seq.unfed_features.extend(features[row, : len(path) + 1].unbind(0))
-            seq.emit([int(host[row, node - 1]) for node in path] + [bonus], plan.sources[row], logits)
+            proposers = plan.sources[row]
+            if row in merged:  # each accepted token's proposer: the draft, or the copy alone
+                proposers, alone[row] = merged[row].sources(path), merged[row].alone(path)
+            seq.emit([int(host[row, node - 1]) for node in path] + [bonus], proposers, logits)
         if plan.capture and not plan.drafts and max(len(s.unfed_features) for s in seqs) >= MAX_UNFED:
             self.draft.catch_up(seqs)
+        return alone
 
-    def propose(self, seqs: list[Sequence], plan: StepPlan) -> tuple[torch.Tensor, list[Tree] | None]:
+    def propose(self, seqs: list[Sequence],
+                plan: StepPlan) -> tuple[torch.Tensor, list[Tree] | None, dict[int, MergedTree]]:
         """Candidates [b, width - 1]: the draft's block (or a tree's nodes) for drafted rows, the copy for
         lookup rows, padded with the mask token where a row has fewer than the step's width; with trees, each
-        row's tree (a copy is a chain, a plain row an empty tree)."""
+        row's tree (a copy is a chain, a plain row an empty tree) and each merged row's MergedTree."""
         spec, device = self.speculation, self.runner.device
-        drafted = [row for row, source in enumerate(plan.sources) if source == "draft"]
+        drafted = [row for row, source in enumerate(plan.sources) if source in ("draft", "merged")]
         if plan.trees:
             return self.propose_trees(seqs, plan, drafted)
         if plan.kind == "dflash":
-            return self.draft.propose(seqs, spec.block_size), None
+            return self.draft.propose(seqs, spec.block_size), None, {}
         pad = spec.mask_token_id if spec else 0
         candidates = torch.full((len(seqs), plan.width - 1), pad, device=device)
         if drafted:
@@ -143,19 +152,36 @@ class Decoder:
         for row, copy in enumerate(plan.copies):
             if copy:
                 candidates[row, : len(copy)] = torch.tensor(copy, device=device)
-        return candidates, None
+        return candidates, None, {}
 
     def propose_trees(self, seqs: list[Sequence], plan: StepPlan,
-                      drafted: list[int]) -> tuple[torch.Tensor, list[Tree]]:
-        """Each drafted row's tree from the draft's top-k per position; a copy is a chain."""
+                      drafted: list[int]) -> tuple[torch.Tensor, list[Tree], dict[int, MergedTree]]:
+        """Each drafted row's tree (draft_trees); a copy is a chain; a merged row's copy joins its draft's
+        tree. The candidates are as wide as the largest tree (a merged tree is narrower than the plan's
+        bound where its copy and its draft agree)."""
         spec = self.speculation
         trees = [Tree.chain(list(copy)) for copy in plan.copies]
-        logprobs, ids = self.draft.rank([seqs[r] for r in drafted], spec.block_size, spec.tree_topk)
-        logprobs, ids = logprobs.cpu(), ids.cpu()
-        for i, row in enumerate(drafted):
-            trees[row] = build_tree(logprobs[i], ids[i], plan.shape.tree_budget, spec.tree_rule)
-        rows = [list(tree.tokens) + [spec.mask_token_id] * (plan.width - 1 - tree.size) for tree in trees]
-        return torch.tensor(rows, device=self.runner.device), trees
+        for row, tree in zip(drafted, self.draft_trees([seqs[r] for r in drafted], plan.shape)):
+            trees[row] = tree
+        merged = {row: MergedTree.of(trees[row], list(plan.copies[row]))
+                  for row, source in enumerate(plan.sources) if source == "merged"}
+        for row, tree in merged.items():
+            trees[row] = tree.tree
+        width = max(tree.size for tree in trees)
+        rows = [list(tree.tokens) + [spec.mask_token_id] * (width - tree.size) for tree in trees]
+        return torch.tensor(rows, device=self.runner.device), trees, merged
+
+    def draft_trees(self, seqs: list[Sequence], shape: DraftShape) -> list[Tree]:
+        """The draft's candidates per row as a tree: from its top-k per position (tree.py), or its chain
+        where the shape is one (a merged step's draft side)."""
+        spec = self.speculation
+        if not seqs:
+            return []
+        if not shape.tree_budget:
+            return [Tree.chain(row) for row in self.draft.propose(seqs, spec.block_size).tolist()]
+        logprobs, ids = self.draft.rank(seqs, spec.block_size, spec.tree_topk)
+        return [build_tree(logp, ranked, shape.tree_budget, spec.tree_rule)
+                for logp, ranked in zip(logprobs.cpu(), ids.cpu())]
 
 
 def accept_chain(seq: Sequence, candidates: torch.Tensor, host: torch.Tensor,
@@ -168,10 +194,13 @@ def accept_chain(seq: Sequence, candidates: torch.Tensor, host: torch.Tensor,
 
 def tally(seq: Sequence, source: str, committed: int, speculative: bool, tree: bool = False) -> None:
     """Count a committed step in the request's statistics; a plain step of a speculative request (one the
-    governor chose) is not a verify step, so the draft's tau stays its own."""
+    governor chose) is not a verify step, so the draft's tau stays its own, and copies (alone or merged
+    with the draft's candidates) are counted apart from it too. `tree`: the draft's candidates were a tree."""
     stats = seq.stats
     if source == "lookup":
         stats.lookup_accept_lengths.append(committed)
+    elif source == "merged":
+        stats.merged_accept_lengths.append(committed)
     elif source == "draft" or not speculative:
         stats.accept_lengths.append(committed)  # plain decoding: one verify step of one token
         if tree and source == "draft":

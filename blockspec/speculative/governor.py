@@ -28,6 +28,14 @@ estimates; `plan.py` turns its answers into a step plan, and it learns from each
 Where candidate trees are set (tree.py), a drafted step is a chain or a tree, each with its own cost and
 tau: `shape` picks the one expected to commit tokens faster (each is tried first, and the one not chosen
 is probed again after `probe_plain_every` drafted steps), and `speculate` weighs it against a plain step.
+
+A merged step (merge.py: the copied rows verify their copy and their draft's candidates as one tree) has
+its own cost, per drafted shape and batch size, and its own tau per sequence; `merge` weighs it against
+the copies alone (a lookup or mixed step), a drafted step and a plain step. A merged step also says what
+the copy alone and the draft's candidates alone would have committed (exactly: `MergedTree.alone`), which
+moves the lookup tau and the shape's tau as if those steps had run: while merged steps win, only the
+others' costs go stale, so after `probe_plain_every` merged steps in a row the next copy step is left to
+the other rules once, and a merged step not taken for `probe_plain_every` steps is tried again.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ from dataclasses import dataclass, field
 
 from blockspec.engine.sequence import Sequence
 from blockspec.speculative.plan import DraftShape, StepPlan
+
+MERGED = "merged"  # with a shape: the key of merged steps' costs and taus
 
 
 @dataclass
@@ -53,6 +63,9 @@ class SpecGovernor:
     _drafted: int = 0  # drafted steps so far
     _last_drafted: dict[DraftShape, int] = field(default_factory=dict)  # shape -> when it last ran
     _lookup_tau: float | None = None  # accept length of a prompt-lookup row, over all rows and sequences
+    _steps: int = 0  # steps recorded so far
+    _last_merged: int = 0  # the step count after the latest merged step
+    _merged_run: int = 0  # merged steps in a row
 
     def __post_init__(self) -> None:
         if not 0 < self.tau_alpha <= 1 or min(self.window, self.probe_spec_every, self.probe_plain_every) < 1:
@@ -72,7 +85,9 @@ class SpecGovernor:
     def _average(old: float | None, new: float, alpha: float) -> float:
         return new if old is None else old + alpha * (new - old)
 
-    def expected_tau(self, seq: Sequence, shape: DraftShape) -> float | None:
+    def expected_tau(self, seq: Sequence, shape: DraftShape | tuple) -> float | None:
+        """Its estimate for a drafted shape, or a merged one ((MERGED, shape)); a new sequence's: the
+        average over all sequences."""
         return seq.tau_estimates.get(shape, self._tau.get(shape))
 
     def shape(self, seqs: list[Sequence], shapes: tuple[DraftShape, ...]) -> DraftShape:
@@ -124,8 +139,46 @@ class SpecGovernor:
         mixed = sum(self._lookup_tau if c else tau for c, tau in zip(copied, taus))
         return mixed / wide >= sum(taus) / narrow
 
-    def record(self, plan: StepPlan, seqs: list[Sequence], seconds: float) -> None:
-        """Fold in a finished step: its wall time, under its kind and width, and the rows' accept lengths."""
+    def merge(self, seqs: list[Sequence], copied: list[bool], shape: DraftShape, width: int) -> bool:
+        """Whether a merged step (the copied rows' copies, `width` rows with the pending token, merged into
+        their candidates of this shape; the other rows their candidates alone) is expected to commit tokens
+        faster than the copies alone (a lookup step, or mixed where some rows have none), a drafted step
+        for all rows and a plain step, those measured. Measured itself first, then the copies alone."""
+        n = len(seqs)
+        merged = self.seconds(((MERGED, shape), n))
+        taus = [self.expected_tau(s, (MERGED, shape) if c else shape) for s, c in zip(seqs, copied)]
+        drafted = [self.expected_tau(s, shape) for s in seqs]
+        copy_only = self.seconds((width if all(copied) else max(width, shape.width), n))
+        copy_taus = [self._lookup_tau if c else tau for c, tau in zip(copied, drafted)]
+        if merged is None or None in taus or self._steps - self._last_merged >= self.probe_plain_every:
+            return True
+        if copy_only is None or None in copy_taus or self._merged_run >= self.probe_plain_every:
+            return False  # the copies alone are measured next, and probed again after a merged streak
+        rivals = [sum(copy_taus) / copy_only]
+        if self.seconds((shape, n)) is not None and None not in drafted:
+            rivals.append(sum(drafted) / self.seconds((shape, n)))
+        if self.seconds((1, n)) is not None:
+            rivals.append(n / self.seconds((1, n)))
+        return sum(taus) / merged >= max(rivals)
+
+    def record(self, plan: StepPlan, seqs: list[Sequence], seconds: float,
+               alone: dict[int, tuple[int, int]] | None = None) -> None:
+        """Fold in a finished step: its wall time, under its kind and width, and the rows' accept lengths;
+        `alone`: per merged row, what its draft's candidates alone and its copy alone would have committed."""
+        self._steps += 1
+        self._merged_run = self._merged_run + 1 if plan.kind == "merged" else 0
+        if plan.kind == "merged":
+            self._time(((MERGED, plan.shape), len(seqs)), seconds)
+            self._streak, self._last_merged = (True, 1), self._steps
+            for row, (seq, source) in enumerate(zip(seqs, plan.sources)):
+                if source == "draft":
+                    self.fold_tau(seq, plan.shape)
+                elif row in (alone or {}):
+                    self.fold_tau(seq, (MERGED, plan.shape), seq.stats.merged_accept_lengths[-1])
+                    drafted, copied = alone[row]
+                    self.fold_tau(seq, plan.shape, drafted)
+                    self._lookup_tau = self._average(self._lookup_tau, copied, self.tau_alpha)
+            return
         if plan.kind in ("lookup", "mixed"):
             self._time((plan.width, len(seqs)), seconds)
             self._streak = (True, 1)  # a plain streak ends
@@ -146,10 +199,11 @@ class SpecGovernor:
             for seq in seqs:
                 self.fold_tau(seq, plan.shape)
 
-    def fold_tau(self, seq: Sequence, shape: DraftShape) -> None:
-        """Fold the sequence's last drafted accept length into its tau estimate and the all-sequence one. Its
-        first step moves it from the all-sequence prior, not to its one noisy sample: one unlucky first block
-        would otherwise keep it plain until probes slowly pull it back."""
-        tau = seq.stats.accept_lengths[-1]
+    def fold_tau(self, seq: Sequence, shape: DraftShape | tuple, tau: int | None = None) -> None:
+        """Fold an accept length (default: the sequence's last drafted one) into its tau estimate for this
+        shape and the all-sequence one. Its first step moves it from the all-sequence prior, not to its one
+        noisy sample: one unlucky first block would otherwise keep it plain until probes slowly pull it
+        back."""
+        tau = seq.stats.accept_lengths[-1] if tau is None else tau
         seq.tau_estimates[shape] = self._average(self.expected_tau(seq, shape), tau, self.tau_alpha)
         self._tau[shape] = self._average(self._tau.get(shape), tau, self.tau_alpha)

@@ -12,7 +12,8 @@ from blockspec.errors import BlockspecError
 from blockspec.models.draft_config import DraftConfig
 from blockspec.speculative.tree import TreeRule
 
-Source = Literal["plain", "draft", "lookup"]
+Source = Literal["plain", "draft", "lookup", "merged"]
+MergeRule = Literal["auto", "always", "never"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class Speculation:
     tree_budget: int = 0  # candidate trees of this many nodes from the draft's ranking (0: its chain only)
     tree_topk: int = 4  # a tree's tokens per block position, at most
     tree_rule: TreeRule = "best-first"
+    # a row with a copy verifies it merged into its draft's candidates as one tree (merge.py): as the
+    # governor decides (auto; without one: never), on every such step (always), or never
+    merge: MergeRule = "auto"
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, draft: DraftConfig, vocab: int) -> Speculation:
@@ -46,9 +50,11 @@ class Speculation:
         if cfg.speculative_tree_budget and cfg.speculative_tree_topk > vocab:
             raise BlockspecError(f"speculative_tree_topk={cfg.speculative_tree_topk} exceeds the draft's "
                                  f"{vocab} proposable tokens; lower --speculative-tree-topk.")
+        merge = cfg.prompt_lookup_merge if cfg.adaptive_speculation else cfg.prompt_lookup_merge.replace(
+            "auto", "never")  # auto is the governor's choice: without one, copies alone
         return cls(draft.block_size, draft.mask_token_id, cfg.prompt_lookup_ngram,
                    cfg.prompt_lookup_block_size or max(4, draft.block_size), cfg.speculative_tree_budget,
-                   cfg.speculative_tree_topk, cfg.speculative_tree_rule)
+                   cfg.speculative_tree_topk, cfg.speculative_tree_rule, merge)
 
     @property
     def shapes(self) -> tuple[DraftShape, ...]:
@@ -59,27 +65,37 @@ class Speculation:
         return tuple(DraftShape(self.block_size, b) for b in [0, *sorted(budgets)])
 
     @property
+    def merged_width(self) -> int:
+        """The widest merged step's rows per sequence (0: none are taken): the widest drafted shape's
+        candidates and a whole copy beside them, the pending token once."""
+        merging = self.lookup_ngram and self.merge != "never"
+        return max(shape.width for shape in self.shapes) + self.lookup_width - 1 if merging else 0
+
+    @property
     def step_width(self) -> int:
         """The most rows one decode step writes past a sequence's cache length (its scratch rows)."""
-        return max(max(shape.width for shape in self.shapes), self.lookup_width if self.lookup_ngram else 0)
+        lookup = self.lookup_width if self.lookup_ngram else 0
+        return max(max(shape.width for shape in self.shapes), lookup, self.merged_width)
 
     @property
     def row_counts(self) -> tuple[int, ...]:
         """Rows per sequence of its verify and draft passes (for tuning the CPU weight layouts)."""
-        return (self.block_size, self.lookup_width, *(shape.width for shape in self.shapes[1:]))
+        merged = (self.merged_width,) if self.merged_width else ()
+        return (self.block_size, self.lookup_width, *(shape.width for shape in self.shapes[1:]), *merged)
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One decode step: every row verifies `width` tokens, its pending token plus candidates from its
-    source ("plain": none; "draft": the DFlash draft's block_size - 1, or a tree of the draft's top choices
-    by `shape`; "lookup": its `copies` entry), in one target pass; acceptance looks at the first
-    `judged[row]` of them (a drafted row's candidates in a wider mixed step are padded). `capture`: the
-    step keeps the target's features for the draft."""
+    """One decode step: every row verifies at most `width` tokens, its pending token plus candidates from
+    its source ("plain": none; "draft": the DFlash draft's block_size - 1, or a tree of the draft's top
+    choices by `shape`; "lookup": its `copies` entry; "merged": its draft's candidates and its copy as one
+    tree), in one target pass; acceptance looks at the first `judged[row]` of them (a drafted row's
+    candidates in a wider mixed step are padded). `capture`: the step keeps the target's features for the
+    draft."""
 
     width: int
     sources: tuple[Source, ...]
-    copies: tuple[tuple[int, ...], ...]  # per row: its prompt-lookup candidates (empty unless "lookup")
+    copies: tuple[tuple[int, ...], ...]  # per row: its prompt-lookup copy (empty unless "lookup", "merged")
     judged: tuple[int, ...]
     capture: bool
     shape: DraftShape | None = None  # what drafted rows verify (None: no row drafts)
@@ -104,35 +120,53 @@ class StepPlan:
         judged = tuple(len(c) if c else shape.width - 1 for c in copies)
         return cls(width, sources, tuple(tuple(c) for c in copies), judged, True, shape if drafted else None)
 
+    @classmethod
+    def merged(cls, copies: list[list[int]], speculation: Speculation, shape: DraftShape) -> StepPlan:
+        """Rows with a copy verify it merged into their draft's candidates (`shape`) as one tree
+        (merge.py), the others their draft's candidates alone; as wide as a row's candidates and a whole
+        copy beside them (the merged trees are usually narrower: the step runs as wide as its widest)."""
+        sources = tuple("merged" if c else "draft" for c in copies)
+        judged = tuple(shape.width - 1 + len(c) for c in copies)
+        return cls(shape.width + speculation.lookup_width - 1, sources, tuple(tuple(c) for c in copies),
+                   judged, True, shape)
+
     @property
-    def kind(self) -> Literal["plain", "dflash", "lookup", "mixed"]:
+    def kind(self) -> Literal["plain", "dflash", "lookup", "mixed", "merged"]:
         kinds = set(self.sources)
         if kinds == {"plain"}:
             return "plain"
+        if "merged" in kinds:
+            return "merged"
         return "dflash" if kinds == {"draft"} else "lookup" if kinds == {"lookup"} else "mixed"
 
     @property
     def drafts(self) -> bool:
         """Whether the draft runs this step (it then takes the verified rows' features at once)."""
-        return "draft" in self.sources
+        return "draft" in self.sources or "merged" in self.sources
 
     @property
     def trees(self) -> bool:
-        """Whether drafted rows verify trees (the step then runs with tree attention)."""
-        return self.shape is not None and self.shape.tree_budget > 0
+        """Whether rows verify trees (the step then runs with tree attention): drafted trees, or copies
+        merged into the draft's candidates."""
+        return self.shape is not None and (self.shape.tree_budget > 0 or "merged" in self.sources)
 
 
 def choose_plan(seqs: list[Sequence], copies: list[list[int]], speculation: Speculation,
                 governor) -> StepPlan:
-    """Prompt lookup where every row's context has a match (a copy is right far more often than the draft)
-    and the governor expects it to beat a plain step; when only some rows have one, a mixed step if the
-    governor expects it to beat a drafted step for all; otherwise a drafted step (its chain or its tree,
-    whichever the governor expects to commit tokens faster) or, where the governor expects speculating not
-    to pay, a plain one (which keeps the target's features, so the draft can catch up later). governor None:
-    always speculate, with the tree if one is set."""
+    """Where some row's context has a match: a merged step (those rows' copies and draft candidates as one
+    tree each) if the settings say always, or auto and the governor expects it to beat the others. Else
+    prompt lookup where every row has a match (a copy is right far more often than the draft) and the
+    governor expects it to beat a plain step; when only some rows have one, a mixed step if the governor
+    expects it to beat a drafted step for all; otherwise a drafted step (its chain or its tree, whichever
+    the governor expects to commit tokens faster) or, where the governor expects speculating not to pay, a
+    plain one (which keeps the target's features, so the draft can catch up later). governor None: always
+    speculate, with the tree if one is set, merging only if the settings say always."""
     shapes = speculation.shapes
     shape = shapes[-1] if governor is None or len(shapes) == 1 else governor.shape(seqs, shapes)
     copied = [bool(c) for c in copies]
+    if any(copied) and (speculation.merge == "always" or speculation.merge == "auto" and governor is not None
+                        and governor.merge(seqs, copied, shape, speculation.lookup_width)):
+        return StepPlan.merged(copies, speculation, shape)
     if all(copied) and (governor is None or governor.lookup_pays(seqs, speculation.lookup_width)):
         return StepPlan.lookup(copies, speculation, shape)
     if any(copied) and not all(copied) and (governor is None

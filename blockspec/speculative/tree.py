@@ -66,6 +66,24 @@ class Tree:
             out.append(min(self.children[out[-1]].values()))
         return out
 
+    def with_branch(self, tokens: list[int]) -> tuple[Tree, tuple[int, ...]]:
+        """This tree with the chain `tokens` from the root merged in: the chain follows the nodes that
+        already hold its prefix (siblings never share a token) and the rest hangs below the last of them.
+        Returns the tree (nodes 1..size unchanged, new ones after them, each with log-probability 0.0
+        where the tree has them: a copy is certain) and the chain's nodes, one per token."""
+        tokens_out, parents, logprobs = list(self.tokens), list(self.parents), list(self.logprobs)
+        node, branch = 0, []
+        for token in tokens:
+            child = self.children[node].get(token) if node <= self.size else None
+            if child is None:
+                tokens_out.append(token)
+                parents.append(node)
+                logprobs += [0.0] if self.logprobs else []
+                child = len(tokens_out)
+            branch.append(child)
+            node = child
+        return Tree(tuple(tokens_out), tuple(parents), tuple(logprobs)), tuple(branch)
+
     @cached_property
     def children(self) -> list[dict[int, int]]:
         """Per node, root included: its children by token (siblings never share a token)."""
