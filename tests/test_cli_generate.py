@@ -16,7 +16,8 @@ FIELDS = {  # INTERFACE.md's, plus the rest of the request's statistics (adaptiv
     "text", "token_ids", "num_prompt_tokens", "num_output_tokens", "finish_reason", "speculative_algorithm",
     "block_size", "accept_lengths", "mean_accept_length", "time_to_first_token_s", "decode_tokens_per_s",
     "num_verify_steps", "num_tree_steps", "num_plain_steps", "lookup_accept_lengths", "num_lookup_steps",
-    "lookup_mean_accept_length", "cached_tokens", "token_sources",
+    "lookup_mean_accept_length", "merged_accept_lengths", "num_merged_steps", "merged_mean_accept_length",
+    "cached_tokens", "token_sources",
 }
 
 

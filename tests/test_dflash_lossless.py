@@ -72,14 +72,16 @@ prompt_st = st.lists(st.integers(0, 96), min_size=1, max_size=60)
     draft_vocab=st.booleans(),
     script=st.one_of(st.none(), st.lists(st.booleans(), min_size=1, max_size=12)),
     lookup=st.tuples(st.sampled_from([0, 1, 2, 3]), st.sampled_from([2, 4, 7])),
+    merge=st.sampled_from(["auto", "always", "never"]),
 )
 def test_greedy_dflash_equals_plain(models, prompts, size, max_tokens, stops, int8_head, draft_vocab, script,
-                                    lookup):
+                                    lookup, merge):
     engine = models[size]
     # adaptive speculation's mix of DFlash and plain steps (which leave the draft a backlog to catch up on)
     engine.dflash.governor = None if script is None else ScriptedGovernor(script)
     # prompt-lookup steps (min n-gram, width) in between, which leave the draft a backlog too
     engine.speculation.lookup_ngram, engine.speculation.lookup_width = lookup
+    engine.speculation.merge = merge  # copies merged into the draft's chain as one tree (auto: by script)
     engine.set_block_size(size)  # the engines share one target: lay its weights out for this block size
     # both LM-head paths on any CPU: plain fp32, and the int8 one (CPU only)
     use_int8_head(engine, int8_head and DEVICE.type == "cpu")
@@ -97,6 +99,7 @@ def test_greedy_dflash_equals_plain(models, prompts, size, max_tokens, stops, in
             sum(s.stats.merged_accept_lengths) + s.stats.plain_steps + 1
     assert engine.runner.pool.num_free == engine.runner.pool.num_slots  # every slot came back
     draft.vocab, engine.dflash.governor, engine.speculation.lookup_ngram = None, None, 0
+    engine.speculation.merge = "auto"
 
 
 @pytest.mark.parametrize("int8_head", [False, True])

@@ -178,3 +178,52 @@ def test_all_row_lookup_steps_are_kept_only_while_they_beat_plain_steps():
     batch[0].stats.lookup_accept_lengths.append(4)
     gov.record(lookup, batch, 0.25)  # the text turned repetitive: 4 per 0.25 s (lookup tau moves to 4)
     assert gov.lookup_pays(batch, 4)
+
+
+def merged_step(gov: SpecGovernor, batch: list[Sequence], committed: int, alone: tuple[int, int],
+                seconds: float) -> None:
+    batch[0].stats.merged_accept_lengths.append(committed)
+    spec = Speculation(2, 0, lookup_ngram=2, lookup_width=4)
+    gov.record(StepPlan.merged([[7, 7, 7]], spec, DraftShape(2)), batch, seconds, {0: alone})
+
+
+def test_merged_steps_are_weighed_against_the_copies_alone_and_teach_all_three_taus():
+    gov, batch, chain = SpecGovernor(window=1, tau_alpha=1.0, probe_plain_every=3), seqs(1), DraftShape(2)
+    assert gov.merge(batch, [True], chain, 4)  # nothing measured: try it
+    merged_step(gov, batch, 3, (2, 1), 0.12)  # the draft alone would have kept 2, the copy alone 1
+    assert gov.expected_tau(batch[0], chain) == 2 and gov._lookup_tau == 1
+    assert gov.expected_tau(batch[0], ("merged", chain)) == 3
+    assert not gov.merge(batch, [True], chain, 4)  # the copies alone not measured yet: them next
+    lookup = StepPlan.lookup([[7, 7, 7]], Speculation(2, 0, lookup_ngram=2, lookup_width=4))
+    batch[0].stats.lookup_accept_lengths.append(1)
+    gov.record(lookup, batch, 0.10)
+    assert gov.merge(batch, [True], chain, 4)  # 3 per 0.12 s beats 1 per 0.10 s
+    merged_step(gov, batch, 3, (2, 1), 0.12)
+    merged_step(gov, batch, 3, (2, 1), 0.12)
+    assert gov.merge(batch, [True], chain, 4)
+    merged_step(gov, batch, 3, (2, 1), 0.12)
+    assert not gov.merge(batch, [True], chain, 4)  # 3 merged steps in a row: the others' turn once
+    batch[0].stats.lookup_accept_lengths.append(1)
+    gov.record(lookup, batch, 0.10)
+    merged_step(gov, batch, 3, (2, 1), 0.40)  # merged steps got slow: 3 per 0.40 s < 1 per 0.10 s
+    assert not gov.merge(batch, [True], chain, 4)
+    for _ in range(3):
+        plain_step(gov, batch, 0.10)
+    assert gov.merge(batch, [True], chain, 4)  # not taken for 3 steps: probed again
+
+
+def test_choose_plan_merges_as_the_settings_say():
+    from blockspec.speculative.plan import choose_plan
+    from tests.tiny import ScriptedGovernor
+
+    batch, copies = seqs(2), [[7, 7, 7], []]
+    spec = Speculation(2, 0, lookup_ngram=2, lookup_width=4, merge="always")
+    plan = choose_plan(batch, copies, spec, None)
+    assert plan.kind == "merged" and plan.sources == ("merged", "draft") and plan.width == 5
+    assert plan.trees and plan.drafts and spec.step_width == 5 and 5 in spec.row_counts
+    spec.merge = "auto"
+    assert choose_plan(batch, copies, spec, None).kind == "mixed"  # no governor: copies alone
+    assert choose_plan(batch, copies, spec, ScriptedGovernor([True])).kind == "merged"
+    spec.merge = "never"
+    assert choose_plan(batch, copies, spec, ScriptedGovernor([True])).kind == "mixed"
+    assert spec.step_width == 4

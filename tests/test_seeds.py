@@ -29,14 +29,16 @@ def engine(tmp_path_factory):
     return TinyEngine(target, draft, 8, num_slots=4, max_len=128)
 
 
-def run(engine, prompts, params, use_draft=True, size=8, script=None, lookup=(0, 0)):
+def run(engine, prompts, params, use_draft=True, size=8, script=None, lookup=(0, 0), merge="auto", tree=0):
+    spec = engine.speculation
     engine.set_block_size(size)
     engine.dflash.governor = None if script is None else ScriptedGovernor(script)
-    engine.speculation.lookup_ngram, engine.speculation.lookup_width = lookup
+    spec.lookup_ngram, spec.lookup_width = lookup
+    spec.merge, spec.tree_budget = merge, tree
     try:
         seqs = engine.run([Sequence(p, params[i], frozenset()) for i, p in enumerate(prompts)], use_draft)
     finally:
-        engine.dflash.governor, engine.speculation.lookup_ngram = None, 0
+        engine.dflash.governor, spec.lookup_ngram, spec.merge, spec.tree_budget = None, 0, "auto", 0
     return [s.output_ids for s in seqs]
 
 
@@ -46,7 +48,9 @@ def test_a_seed_gives_the_same_tokens_whatever_the_schedule(engine, temperature,
               for s in (7, 8, 9)]
     plain = run(engine, PROMPTS, params, use_draft=False)
     schedules = [dict(), dict(size=2), dict(size=4, script=[True, False, False]),
-                 dict(script=[False, True]), dict(lookup=(1, 6)), dict(size=2, lookup=(2, 5), script=[True])]
+                 dict(script=[False, True]), dict(lookup=(1, 6)), dict(size=2, lookup=(2, 5), script=[True]),
+                 dict(lookup=(1, 6), merge="always"), dict(size=4, lookup=(1, 5), merge="always", tree=8),
+                 dict(size=2, lookup=(2, 5), tree=4, script=[True, False, True])]
     for schedule in schedules:
         assert run(engine, PROMPTS, params, **schedule) == plain, schedule
     alone = [run(engine, [p], [sp])[0] for p, sp in zip(PROMPTS, params)]  # no batch neighbours

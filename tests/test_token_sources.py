@@ -177,11 +177,12 @@ def test_live_view_counts_tokens_and_steps(server):
     assert made == body["usage"]["completion_tokens"]
     steps = sum(after["steps_total"].values()) - sum(before["steps_total"].values())
     ext = body["blockspec"]
-    assert steps == ext["num_verify_steps"] + ext["num_lookup_steps"] + ext["num_plain_steps"]
+    assert steps == (ext["num_verify_steps"] + ext["num_lookup_steps"] + ext["num_merged_steps"]
+                     + ext["num_plain_steps"])
     rows = after["verify_rows_total"] - before["verify_rows_total"]
     assert rows == ext["num_verify_steps"]
     assert after["verify_tokens_total"] - before["verify_tokens_total"] == sum(ext["accept_lengths"])
-    assert after["plan"]["kind"] in ("dflash", "lookup", "mixed", "plain")
+    assert after["plan"]["kind"] in ("dflash", "lookup", "mixed", "merged", "plain")
     assert after["running_requests"] == 0 and after["kv_tokens_budget"] > 0
 
 

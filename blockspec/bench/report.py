@@ -14,7 +14,9 @@ Statistics (paired: a prompt turn counts only when every method produced >= 2 to
 - num_lookup_steps / lookup_mean_accept_length / lookup_accept_length_histogram: prompt-lookup steps
   (spec/lookup.py: a continuation copied from the context, verified like a draft block, no draft pass),
   kept out of tau and the histogram so tau stays the draft's own; tokens_per_step = committed tokens over
-  all steps of the run (DFlash, prompt-lookup and plain).
+  all steps of the run (DFlash, prompt-lookup, merged and plain).
+- num_merged_steps / merged_mean_accept_length: steps that verified a copy and the draft's candidates as
+  one tree (spec/merge.py), kept out of tau as well.
 - outputs_match (greedy only) = fraction of turns whose DFlash tokens equal our plain decoding's.
 """
 
@@ -110,6 +112,7 @@ def accept_stats(samples: list[Sample], dflash: str, block_size: int) -> dict:
     for a in steps:
         counts[min(max(a, 1), block_size) - 1] += 1
     lookup_tau, per_step = stats.lookup_mean_accept_length, stats.tokens_per_step
+    merged_tau = stats.merged_mean_accept_length
     return {
         "mean_accept_length": round(stats.mean_accept_length, 4) if steps else None,
         "mean_accept_length_prompt_avg": round(statistics.fmean(per_turn), 4) if per_turn else None,
@@ -123,6 +126,8 @@ def accept_stats(samples: list[Sample], dflash: str, block_size: int) -> dict:
         "lookup_mean_accept_length": round(lookup_tau, 4) if lookup_tau is not None else None,
         "lookup_accept_length_histogram": [round(lookups.count(k) / len(lookups), 5)
                                            for k in range(1, max(lookups) + 1)] if lookups else None,
+        "num_merged_steps": len(stats.merged_accept_lengths),
+        "merged_mean_accept_length": round(merged_tau, 4) if merged_tau is not None else None,
         "tokens_per_step": round(per_step, 4) if per_step is not None else None,
     }
 
@@ -248,6 +253,9 @@ def print_table(report: dict, out: TextIO | None = None) -> None:
             print(f"{'':<16}prompt lookup: {row['num_lookup_steps']} steps, "
                   f"tau {row['lookup_mean_accept_length']:.2f} (not in the draft's tau above); "
                   f"{row['tokens_per_step']:.2f} tokens per step overall", file=out)
+        if row.get("num_merged_steps"):
+            print(f"{'':<16}copy + draft as one tree: {row['num_merged_steps']} steps, "
+                  f"tau {row['merged_mean_accept_length']:.2f} (not in the draft's tau above)", file=out)
         if row.get("outputs_match") is not None:
             flag = ("" if row["outputs_match"] == 1.0
                     else "   <-- LOSSLESSNESS BUG: DFlash output differs from plain decoding")

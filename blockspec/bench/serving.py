@@ -55,6 +55,7 @@ def closed_loop(llm, prompts: list[list[int]], params: SamplingParams, concurren
         # prompt-lookup (row-)steps, not in mean_accept_length
         "lookup_steps": len(stats.lookup_accept_lengths),
         "lookup_mean_accept_length": round(lookup_tau, 3) if lookup_tau is not None else None,
+        "merged_steps": len(stats.merged_accept_lengths),  # copy + draft candidates as one tree, apart too
         "mean_ttft_s": round(statistics.fmean(ttfts), 3), "median_ttft_s": round(statistics.median(ttfts), 3),
         "mean_latency_s": round(sum(s.finish_time - s.arrival_time for s in seqs) / len(seqs), 3),
         "steps": steps, "preemptions": scheduler.num_preemptions,

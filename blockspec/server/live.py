@@ -3,7 +3,8 @@
 Counters only grow, from the server's start (a client takes the difference of two reads for a rate, as
 with Prometheus counters; `time` is the server's monotonic clock for that); gauges are the latest step's.
 - `tokens_total`: committed output tokens by source ("draft", "lookup", "target"; see token_sources.py).
-- `steps_total`: decode steps by kind ("dflash", "lookup", "mixed", "plain"; one batched step each).
+- `steps_total`: decode steps by kind ("dflash", "lookup", "mixed", "merged", "plain"; one batched step
+  each).
 - `verify_rows_total`, `verify_tokens_total`: a request's DFlash verify steps and the tokens they committed
   (bonus included): their ratio over an interval is the draft's tau there (plain decoding: 1).
 - `plan`: the latest decode step's plan, the governor's current choice: its kind, the block size and tree
@@ -20,7 +21,7 @@ from collections.abc import Iterable
 from blockspec.speculative.plan import StepPlan
 
 SOURCES = ("draft", "lookup", "target")
-STEP_KINDS = ("dflash", "lookup", "mixed", "plain")
+STEP_KINDS = ("dflash", "lookup", "mixed", "merged", "plain")
 
 
 class LiveView:

@@ -63,6 +63,8 @@ class Metrics:
         self.plain_steps = 0
         self.lookup_steps = 0
         self.lookup_tokens = 0
+        self.merged_steps = 0
+        self.merged_tokens = 0
         self.accept_length = Histogram(
             "blockspec_accept_length", "Tokens committed per verify step (tau, bonus included)",
             tuple(float(i) for i in range(1, max(block_size, 1) + 1)),
@@ -88,6 +90,8 @@ class Metrics:
             self.plain_steps += stats.plain_steps
             self.lookup_steps += len(stats.lookup_accept_lengths)
             self.lookup_tokens += sum(stats.lookup_accept_lengths)
+            self.merged_steps += len(stats.merged_accept_lengths)
+            self.merged_tokens += sum(stats.merged_accept_lengths)
             if ttft is not None:
                 self.ttft.observe(ttft)
             if latency is not None:
@@ -136,6 +140,11 @@ class Metrics:
                  "finished requests"),
                 ("blockspec_lookup_tokens_total", self.lookup_tokens,
                  "Tokens committed by prompt-lookup steps (bonus included), finished requests"),
+                ("blockspec_merged_steps_total", self.merged_steps,
+                 "Verify steps of DFlash requests that checked a copy and the draft's candidates as one tree "
+                 "(not in blockspec_accept_length), finished requests"),
+                ("blockspec_merged_tokens_total", self.merged_tokens,
+                 "Tokens committed by those steps (bonus included), finished requests"),
             ):
                 lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {value}"]
             for name, value in sorted(self.gauges.items()):

@@ -14,11 +14,12 @@ Extension fields accepted in requests: `top_k`, `ignore_eos`, `stop_token_ids`, 
 (token_sources.py). `usage.prompt_tokens_details.cached_tokens`: the prompt tokens the prefix cache held.
 Extension field on every response (and on the final stream chunk): `blockspec` =
 `{speculative_algorithm, block_size, accept_lengths, mean_accept_length, num_verify_steps,
-num_plain_steps, lookup_accept_lengths, num_lookup_steps, lookup_mean_accept_length}` (the request's
-`RequestStats`, pooled over its choices), where accept_lengths has one entry per verify step, each counting
-the bonus token (1..block_size), and num_plain_steps counts the plain decode steps adaptive speculation took
-instead, num_lookup_steps the prompt-lookup steps (their accept lengths are not in accept_lengths: tau stays
-the draft's).
+num_plain_steps, lookup_accept_lengths, num_lookup_steps, lookup_mean_accept_length, merged_accept_lengths,
+num_merged_steps, merged_mean_accept_length}` (the request's `RequestStats`, pooled over its choices), where
+accept_lengths has one entry per verify step, each counting the bonus token (1..block_size), and
+num_plain_steps counts the plain decode steps adaptive speculation took instead, num_lookup_steps the
+prompt-lookup steps and num_merged_steps the steps that verified a copy and the draft's candidates as one
+tree (their accept lengths are not in accept_lengths: tau stays the draft's).
 """
 
 from __future__ import annotations

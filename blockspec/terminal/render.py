@@ -47,6 +47,9 @@ def stats_line(out: RequestOutput, interrupted: bool = False) -> str:
     if stats.lookup_accept_lengths:
         steps += (f"; {len(stats.lookup_accept_lengths)} prompt-lookup steps "
                   f"(tau {stats.lookup_mean_accept_length:.2f})")
+    if stats.merged_accept_lengths:
+        steps += (f"; {len(stats.merged_accept_lengths)} copy+draft steps "
+                  f"(tau {stats.merged_mean_accept_length:.2f})")
     sources = ""
     if out.speculative_algorithm == "DFLASH" and out.token_sources:
         counts = Counter(source for source, _ in out.token_sources)
