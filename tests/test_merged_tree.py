@@ -110,10 +110,11 @@ def test_greedy_merged_decoding_equals_plain(engine, size, budget, lookup):
     assert engine.runner.pool.num_free == engine.runner.pool.num_slots
 
 
-def reference_steps(engine, prompt, size):
-    """Plain decoding's output, and a proposer of its continuation ([b, n] rows: the right tokens) and of
-    tokens that are always wrong there."""
-    reference = engine.run([Sequence(prompt, SamplingParams(max_tokens=41), frozenset())], False)[0].output_ids
+def reference_steps(engine, prompt):
+    """Plain decoding's output, and a proposer of its continuation ([b, n] rows: the right tokens, or
+    with a shift tokens that are always wrong there)."""
+    params = SamplingParams(max_tokens=41)
+    reference = engine.run([Sequence(prompt, params, frozenset())], False)[0].output_ids
 
     def continuation(seqs, n, shift=0):
         rows = []
@@ -133,7 +134,7 @@ def test_the_step_keeps_whichever_branch_the_target_agrees_with(engine, monkeypa
     engine.set_block_size(size)
     spec = engine.speculation
     spec.tree_budget, spec.lookup_ngram, spec.lookup_width = 0, 1, width
-    reference, continuation = reference_steps(engine, PROMPTS[1], size)
+    reference, continuation = reference_steps(engine, PROMPTS[1])
     copy_shift, draft_shift = (0, 1) if right == "copy" else (1, 0)
     monkeypatch.setattr(decoder_module, "lookups",
                         lambda seqs, ngram, n: continuation(seqs, n, copy_shift))
