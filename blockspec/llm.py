@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -162,11 +163,15 @@ class LLM:
 
     def _set_speculation(self, name: str, value: int, low: int, high: int) -> None:
         """Change a speculative setting; the KV slabs were sized for the step width the LLM was built with
-        (its block size, tree budget and lookup width), which bounds it."""
+        (its block size, tree budget, lookup width and merged steps), which bounds it."""
         if self.speculation is None:
             raise DraftConfigError(f"set_{name} needs a DFlash draft; this LLM decodes without one.")
+        width = self.runner.max_len - self.max_model_len
+        if not isinstance(value, bool) and isinstance(value, int) and low <= value <= high:
+            # a copy merged beside the draft's candidates makes a step wider than its block or tree
+            excess = replace(self.speculation, **{name: value}).step_width - width
+            high = value - excess if excess > 0 else high
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            width = self.runner.max_len - self.max_model_len
             raise DraftConfigError(f"DFLASH {name}={value!r} must be an integer in [{low}, {high}] for this "
                                    f"LLM (its KV slabs were sized for steps of up to {width} tokens); build "
                                    f"the LLM with the largest you will use.")

@@ -185,3 +185,24 @@ def test_a_bad_merge_setting_is_refused_by_name():
     with pytest.raises(BlockspecError, match="^--prompt-lookup-merge="), cli_flags(
             {"prompt_lookup_merge": "--prompt-lookup-merge"}):
         EngineConfig(prompt_lookup_merge="sometimes")
+
+
+def test_merged_steps_bound_the_block_size_an_llm_switches_to(tmp_path):
+    """The KV slabs hold a merged step's scratch rows: a block of B beside a copy of W - 1 tokens."""
+    from blockspec import LLM
+    from blockspec.errors import DraftConfigError
+    from blockspec.models.config import ModelConfig
+    from tests.tiny import write_tiny_draft, write_tiny_target, write_tiny_tokenizer
+
+    target = write_tiny_tokenizer(write_tiny_target(tmp_path / "target"))
+    draft = write_tiny_draft(tmp_path / "draft", ModelConfig.from_folder(target), block_size=4)
+    llm = LLM(model_path=str(target), draft_model_path=str(draft), max_model_len=64,
+              prompt_lookup_block_size=6)
+    assert llm.runner.max_len - llm.max_model_len == 4 + 6 - 1
+    with pytest.raises(DraftConfigError, match=r"block_size=5 must be an integer in \[2, 4\]"):
+        llm.set_block_size(5)
+    llm.set_block_size(3)
+    assert llm.speculation.merged_width == 8
+    apart = LLM(model_path=str(target), draft_model_path=str(draft), max_model_len=64,
+                prompt_lookup_block_size=6, prompt_lookup_merge="never")
+    apart.set_block_size(6)  # no merged steps: the lookup width bounds it

@@ -114,20 +114,23 @@ def test_dflash_with_random_draft_is_lossless(spec_llm, block_size):
 def test_default_llm_runs_the_shipped_draft_losslessly(blocks_llm):
     """LLM() loads the shipped default draft (blockspec/drafts/smollm2-135m-dflash, with its draft
     vocabulary) against the real target (its GGUF blocks); greedy output equals plain decoding with adaptive
-    speculation and prompt lookup (the defaults), with every step speculating, and with the draft alone,
-    which accepts more than the bonus token on average."""
+    speculation and prompt lookup (the defaults), with every step speculating (copies alone, or merged
+    with the draft's chain), and with the draft alone, which accepts more than the bonus token on
+    average."""
     from blockspec.llm import DEFAULT_DRAFT
 
     params = SamplingParams(max_tokens=48)
     plain = blocks_llm.chat(PROMPT, params)[0]
-    for adaptive, lookup in ((True, 2), (False, 2), (False, 0)):
+    for adaptive, lookup, merge in ((True, 2, "auto"), (False, 2, "auto"), (False, 2, "always"),
+                                    (False, 0, "auto")):
         spec = LLM(max_num_seqs=1, max_model_len=1024, adaptive_speculation=adaptive,
-                   prompt_lookup_ngram=lookup)
+                   prompt_lookup_ngram=lookup, prompt_lookup_merge=merge)
         assert spec.speculative_algorithm == "DFLASH" and spec.runner.draft.vocab.numel() == 16384
         out = spec.chat(PROMPT, params)[0]
         assert out.token_ids == plain.token_ids
-        # the answer repeats its own code: copies
-        assert bool(out.stats.lookup_accept_lengths) == bool(lookup)
+        # the answer repeats its own code: copies, alone or merged with the draft's candidates
+        copies = out.stats.merged_accept_lengths if merge == "always" else out.stats.lookup_accept_lengths
+        assert bool(copies) == bool(lookup)
     assert (DEFAULT_DRAFT / "MODEL_CARD.md").is_file()
     assert sum(out.accept_lengths) / len(out.accept_lengths) > 1.1 and out.stats.plain_steps == 0
 
