@@ -25,16 +25,22 @@ LOGP = torch.tensor([[-0.1, -1.0, -3.0], [-0.2, -0.5, -4.0], [-2.0, -2.1, -2.2]]
 IDS = torch.tensor([[10, 11, 12], [20, 21, 22], [30, 31, 32]])
 
 
-def test_a_copy_joins_the_tree_where_it_shares_a_prefix():
+def test_trees_join_where_they_share_a_prefix():
     draft = build_tree(LOGP, IDS, 6, "best-first")  # 10 (20, 21), 11 (20, 21)
-    tree, branch = draft.with_branch([10, 21, 33, 40])
+    tree, placed = draft.union(Tree.chain([10, 21, 33, 40]))
     assert tree.tokens == draft.tokens + (33, 40) and tree.parents == draft.parents + (3, 7)
-    assert branch == (1, 3, 7, 8) and tree.logprobs == draft.logprobs + (0.0, 0.0)
-    tree, branch = draft.with_branch([12, 20])  # shares nothing: a new branch under the root
-    assert tree.parents[6:] == (0, 7) and branch == (7, 8)
-    assert draft.with_branch([11, 21]) == (draft, (4, 6))  # the draft holds the whole copy
-    chain, branch = Tree.chain([5, 6]).with_branch([5, 7])
-    assert (chain.tokens, chain.parents, chain.logprobs, branch) == ((5, 6, 7), (0, 1, 1), (), (1, 3))
+    assert placed == (1, 3, 7, 8) and tree.logprobs == ()  # a copy carries no log-probabilities
+    tree, placed = draft.union(Tree.chain([11, 21]))  # the draft holds the whole copy
+    assert (tree.tokens, tree.parents, placed) == (draft.tokens, draft.parents, (4, 6))
+    tree, placed = draft.union(draft)
+    assert tree == draft and placed == tuple(range(1, 7))
+    merged = MergedTree.of(draft, [12, 20])  # the copy first, the draft's nodes after it
+    assert merged.tree.tokens == (12, 20, 10, 20, 21, 11, 20, 21)
+    assert merged.tree.parents == (0, 1, 0, 3, 3, 0, 6, 6) and merged.drafted == frozenset(range(3, 9))
+    merged = MergedTree.of(draft, [10, 21, 33])
+    assert merged.tree.parents == (0, 1, 2, 1, 0, 5, 5) and merged.drafted == {1, 2, 4, 5, 6, 7}
+    assert merged.sources([1, 2, 3]) == ["draft", "draft", "lookup"] and merged.alone([1, 2, 3]) == (3, 4)
+    assert merged.alone([5, 6]) == (3, 1) and merged.alone([1, 4]) == (3, 2) and merged.alone([]) == (1, 1)
 
 
 def greedy_walk(tree: Tree, target) -> list[int]:
@@ -60,7 +66,9 @@ def test_what_each_proposer_alone_would_have_kept(depth, k, budget, seed, copy, 
     children = [[t for t, p in zip(merged.tree.tokens, merged.tree.parents) if p == n]
                 for n in range(merged.tree.size + 1)]
     assert all(len(c) == len(set(c)) for c in children)
-    assert [merged.tree.tokens[n - 1] for n in merged.branch] == copy
+    assert merged.tree.path_tokens(len(copy)) == copy  # the copy's chain: nodes 1..len(copy)
+    assert merged.tree.size == len(set(map(tuple, [merged.tree.path_tokens(n) for n in range(1, 1 + len(
+        copy))] + [draft.path_tokens(n) for n in range(1, draft.size + 1)])))  # one node per prefix
     answers = torch.randint(0, 6, (10**3,), generator=g).tolist()
 
     def target(prefix):  # a deterministic "target": the token after each prefix
@@ -69,7 +77,9 @@ def test_what_each_proposer_alone_would_have_kept(depth, k, budget, seed, copy, 
     path = greedy_walk(merged.tree, target)
     assert merged.alone(path) == (len(greedy_walk(draft, target)) + 1,
                                   len(greedy_walk(Tree.chain(copy), target)) + 1)
-    assert merged.sources(path) == ["draft" if n <= draft.size else "lookup" for n in path]
+    prefixes = {tuple(draft.path_tokens(n)) for n in range(1, draft.size + 1)}
+    assert merged.sources(path) == ["draft" if tuple(merged.tree.path_tokens(n)) in prefixes else "lookup"
+                                    for n in path]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "llama-q4_1"])

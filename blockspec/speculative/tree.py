@@ -66,23 +66,26 @@ class Tree:
             out.append(min(self.children[out[-1]].values()))
         return out
 
-    def with_branch(self, tokens: list[int]) -> tuple[Tree, tuple[int, ...]]:
-        """This tree with the chain `tokens` from the root merged in: the chain follows the nodes that
-        already hold its prefix (siblings never share a token) and the rest hangs below the last of them.
-        Returns the tree (nodes 1..size unchanged, new ones after them, each with log-probability 0.0
-        where the tree has them: a copy is certain) and the chain's nodes, one per token."""
-        tokens_out, parents, logprobs = list(self.tokens), list(self.parents), list(self.logprobs)
-        node, branch = 0, []
-        for token in tokens:
-            child = self.children[node].get(token) if node <= self.size else None
-            if child is None:
-                tokens_out.append(token)
-                parents.append(node)
-                logprobs += [0.0] if self.logprobs else []
-                child = len(tokens_out)
-            branch.append(child)
-            node = child
-        return Tree(tuple(tokens_out), tuple(parents), tuple(logprobs)), tuple(branch)
+    def union(self, other: Tree) -> tuple[Tree, tuple[int, ...]]:
+        """This tree with `other` merged in, root on root: each of other's nodes (parents first) becomes the
+        node already holding its token under its parent's place (siblings never share a token), or a new
+        one after this tree's nodes. Returns the tree and, per node of `other`, the node it became.
+        Log-probabilities are kept where both trees carry them."""
+        tokens, parents = list(self.tokens), list(self.parents)
+        logprobs = list(self.logprobs) if self.logprobs and other.logprobs else []
+        children = [dict(c) for c in self.children]
+        placed = [0]
+        for i, (token, parent) in enumerate(zip(other.tokens, other.parents)):
+            at = placed[parent]
+            node = children[at].get(token)
+            if node is None:
+                tokens.append(token)
+                parents.append(at)
+                logprobs += [other.logprobs[i]] if logprobs else []
+                children.append({})
+                node = children[at][token] = len(tokens)
+            placed.append(node)
+        return Tree(tuple(tokens), tuple(parents), tuple(logprobs)), tuple(placed[1:])
 
     @cached_property
     def children(self) -> list[dict[int, int]]:
