@@ -46,21 +46,25 @@ def test_the_stand_in_enforces_cudas_device_rules():
             x.numpy()
 
 
-@pytest.mark.parametrize("block_size", [2, 4, 8])
-def test_engine_on_the_device_equals_the_cpu(tiny, block_size):
-    """Greedy DFlash (with prompt lookup) on the device == plain decoding on the CPU, and a seeded sampled
-    request draws the same tokens on both (its draws are keyed by seed and position and made on the CPU)."""
+@pytest.mark.parametrize("block_size, merge", [(2, "auto"), (4, "auto"), (8, "auto"), (4, "always")])
+def test_engine_on_the_device_equals_the_cpu(tiny, block_size, merge):
+    """Greedy DFlash (with prompt lookup, its copies alone or merged with the draft's candidates) on the
+    device == plain decoding on the CPU, and a seeded sampled request draws the same tokens on both (its
+    draws are keyed by seed and position and made on the CPU)."""
     greedy, sampled = SamplingParams(max_tokens=24), SamplingParams(max_tokens=24, temperature=1.0, seed=7)
     cpu = LLM(model_path=str(tiny / "target"), draft_model_path=str(tiny / "draft"), block_size=block_size,
-              device="cpu", adaptive_speculation=False)
+              device="cpu", adaptive_speculation=False, prompt_lookup_merge=merge)
     plain = [o.token_ids for o in LLM(model_path=str(tiny / "target"), speculative_algorithm="NONE",
                                        device="cpu").generate(PROMPTS, greedy)]
     with fake_gpu():
         gpu = LLM(model_path=str(tiny / "target"), draft_model_path=str(tiny / "draft"),
-                  block_size=block_size, device=FAKE_GPU, adaptive_speculation=False)
+                  block_size=block_size, device=FAKE_GPU, adaptive_speculation=False,
+                  prompt_lookup_merge=merge)
         assert (isinstance(gpu.target.lm_head.weight, FakeGpuTensor)
                 and isinstance(gpu.draft.fc.weight, FakeGpuTensor))
-        assert [o.token_ids for o in gpu.generate(PROMPTS, greedy)] == plain
+        outs = gpu.generate(PROMPTS, greedy)
+        assert [o.token_ids for o in outs] == plain
+        assert any(o.stats.merged_accept_lengths for o in outs) == (merge == "always")
         on_gpu = [o.token_ids for o in gpu.generate(PROMPTS, sampled)]
     assert on_gpu == [o.token_ids for o in cpu.generate(PROMPTS, sampled)]
 
