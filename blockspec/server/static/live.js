@@ -4,7 +4,7 @@
 (function (B) {
   const { $, fmt, pct } = B;
   const PLAN_NAMES = { dflash: 'DFlash', lookup: 'prompt lookup', mixed: 'lookup + DFlash',
-    plain: 'plain step' };
+    merged: 'copy + DFlash tree', plain: 'plain step' };
   const reads = [];
 
   const sum = (obj) => Object.values(obj).reduce((a, b) => a + b, 0);
@@ -32,7 +32,7 @@
     if (plan.block_size && plan.kind !== 'lookup') {
       text += plan.tree_budget ? ` tree ${plan.tree_budget}` : ` block ${plan.block_size}`;
     }
-    if (plan.kind === 'lookup' || plan.kind === 'mixed') text += ` · width ${plan.width}`;
+    if (['lookup', 'mixed', 'merged'].includes(plan.kind)) text += ` · width ${plan.width}`;
     return busy ? text : text + ' (idle)';
   }
 
