@@ -164,8 +164,9 @@ def choose_plan(seqs: list[Sequence], copies: list[list[int]], speculation: Spec
     shapes = speculation.shapes
     shape = shapes[-1] if governor is None or len(shapes) == 1 else governor.shape(seqs, shapes)
     copied = [bool(c) for c in copies]
-    if any(copied) and (speculation.merge == "always" or speculation.merge == "auto" and governor is not None
-                        and governor.merge(seqs, copied, shape, speculation.lookup_width)):
+    if any(copied) and (speculation.merge == "always" or (
+            speculation.merge == "auto" and governor is not None
+            and governor.merge(seqs, copied, shape, speculation.lookup_width))):
         return StepPlan.merged(copies, speculation, shape)
     if all(copied) and (governor is None or governor.lookup_pays(seqs, speculation.lookup_width)):
         return StepPlan.lookup(copies, speculation, shape)
