@@ -7,21 +7,11 @@
 #include <cmath>
 
 #include "int8_layout.h"
+#include "ops.h"
 
 namespace blockspec_kernels {
 using namespace int8_detail;
 namespace {
-
-int64_t stored_block_bytes(int64_t qtype) {
-  switch (qtype) {
-    case kQ4_0: return 18;  // fp16 d, 16 bytes of nibbles: w = (q - 8) d
-    case kQ4_1: return 20;  // fp16 d, fp16 m, 16 bytes of nibbles: w = q d + m
-    case kQ8_0: return 34;  // fp16 d, 32 int8: w = q d
-  }
-  TORCH_CHECK(false, "blockspec int8 kernels: unsupported GGML type id ", qtype,
-              "; supported: 2 (Q4_0), 3 (Q4_1), 8 (Q8_0)");
-  return 0;
-}
 
 // Quantize one block of 32 values: d = amax / 127, q = round-half-even(x * (127 / amax)).
 void quantize_block_portable(const float* x, int8_t* q, float& d, int32_t& sum) {
@@ -105,7 +95,7 @@ void quantize_activation_rows(const float* x, int64_t ldx, int64_t r0, int64_t r
 at::Tensor int8_pack(const at::Tensor& blocks, int64_t qtype) {
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "blockspec int8_pack: blocks must be a contiguous 2-D uint8 tensor");
-  const int64_t bytes = stored_block_bytes(qtype), n = blocks.size(0), nb = blocks.size(1) / bytes;
+  const int64_t bytes = block_bytes(qtype), n = blocks.size(0), nb = blocks.size(1) / bytes;
   TORCH_CHECK(blocks.size(1) == nb * bytes, "blockspec int8_pack: rows of ", blocks.size(1),
               " bytes are not whole blocks of ", bytes);
   const int64_t groups = (n + kRows - 1) / kRows, rec = record_bytes(qtype);
@@ -136,7 +126,7 @@ at::Tensor int8_pack(const at::Tensor& blocks, int64_t qtype) {
 
 // The inverse of int8_pack for the first n rows: GGUF blocks [n, k / 32 * block_bytes].
 at::Tensor int8_unpack(const at::Tensor& packed, int64_t qtype, int64_t n) {
-  const int64_t rec = record_bytes(qtype), bytes = stored_block_bytes(qtype), nb = packed.size(1) / rec;
+  const int64_t rec = record_bytes(qtype), bytes = block_bytes(qtype), nb = packed.size(1) / rec;
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   n <= packed.size(0) * kRows,
               "blockspec int8_unpack: packed must be a contiguous uint8 [groups, blocks * record] of >= n "

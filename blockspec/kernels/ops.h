@@ -5,6 +5,9 @@
 
 namespace blockspec_kernels {
 
+// Bytes of one stored GGUF block of 32 weights of a GGML type (quant_matmul.cpp); refuses other types.
+int64_t block_bytes(int64_t qtype);
+
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, bool portable,
                         const c10::optional<at::Tensor>& residual);
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,

@@ -34,7 +34,7 @@ int64_t block_bytes(int64_t qtype) {
     case kQ4_1: return 20;  // fp16 d, fp16 m, 16 bytes of nibbles: w = q d + m
     case kQ8_0: return 34;  // fp16 d, 32 int8: w = q d
   }
-  TORCH_CHECK(false, "blockspec quant_matmul: unsupported GGML type id ", qtype,
+  TORCH_CHECK(false, "blockspec kernels: unsupported GGML type id ", qtype,
               "; supported: 2 (Q4_0), 3 (Q4_1), 8 (Q8_0)");
   return 0;
 }
