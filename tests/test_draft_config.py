@@ -218,7 +218,7 @@ def test_structure_errors() -> None:
     fails(smol_draft(architectures=["Qwen3ForCausalLM"]),
           r"architectures=\['Qwen3ForCausalLM'\] is not a DFlash")
     fails(smol_draft(rope_scaling={"rope_type": "yarn"}), r"rope_scaling=.*yarn.* is not supported")
-    fails(smol_draft(conv_kernel_size=4), r"conv_kernel_size=4 selects a feature")
+    fails(smol_draft(conv_kernel_size=4), r"conv_kernel_size=4 is a DFlash2 setting")
     fails(smol_draft(attention_bias=True), r"attention_bias=True selects a feature")
     fails(smol_draft(has_embed_tokens="yes"), r"has_embed_tokens='yes' must be true or false")
 

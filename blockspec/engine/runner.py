@@ -22,6 +22,8 @@ from blockspec.layers.forward_batch import ForwardBatch
 from blockspec.layers.kv_cache import KVCache
 from blockspec.layers.layout_tuning import DEFAULT_PROBE_ROWS, tune_layouts
 from blockspec.layers.linear import Linear
+from blockspec.layers.selector import Walk
+from blockspec.models.dflash2 import select_path
 from blockspec.models.draft import DFlashDraft
 from blockspec.models.target import CausalLM
 
@@ -211,7 +213,10 @@ class ModelRunner:
 
     def draft_proposals(self, seqs: list[Sequence], block: torch.Tensor) -> torch.Tensor:
         """The draft's proposals [b, B-1] for blocks [bonus, MASK...] [b, B] at each row's num_cached: its
-        hidden states scored by the target's LM head (over the draft's vocabulary, if it has one)."""
+        hidden states scored by the target's LM head (over the draft's vocabulary, if it has one); a
+        DFlash2 draft's greedy walk through its candidates."""
+        if self.draft.config.dflash2 is not None:
+            return self.draft_walk(seqs, block).tokens
         hidden = self.draft_hidden(seqs, block)
         best = self.target.lm_head.propose(hidden.reshape(-1, hidden.shape[-1]), self.draft.vocab)
         return best.view(hidden.shape[:2])
@@ -223,6 +228,14 @@ class ModelRunner:
         hidden = self.draft_hidden(seqs, block)
         logprobs, ids = self.target.lm_head.ranked(hidden.reshape(-1, hidden.shape[-1]), k, self.draft.vocab)
         return logprobs.view(*hidden.shape[:2], k), ids.view(*hidden.shape[:2], k)
+
+    def draft_walk(self, seqs: list[Sequence], block: torch.Tensor, temperatures: torch.Tensor | None = None,
+                   uniforms: torch.Tensor | None = None) -> Walk:
+        """A DFlash2 draft's walk from each block's pending token through its candidates (models/dflash2.py):
+        greedy rows (temperature 0, or None for all), and rows drawn at temperatures [b] with uniforms
+        [b, B-1]; tokens [b, B-1], candidates and the proposal distribution q [b, B-1, K]."""
+        hidden = self.draft_hidden(seqs, block)
+        return select_path(self.draft, self.target.lm_head, hidden, block[:, 0], temperatures, uniforms)
 
     def draft_hidden(self, seqs: list[Sequence], block: torch.Tensor) -> torch.Tensor:
         """The draft's last hidden states at a block's drafted positions [b, B-1, H]."""

@@ -93,6 +93,19 @@ class ForwardBatch:
         first = self.slots[0] if self.slots else 0
         return bool(self.slots) and self.slots == list(range(first, first + len(self.slots)))
 
+    def block_offsets(self) -> torch.Tensor:
+        """Each new token's place in its block, long [b or 1, n]: how many earlier new tokens it sees. A
+        draft's block sees itself whole, so this counts from its first token, in inference (one block per
+        row) as in training (many blocks per row, each seeing only itself)."""
+        if "offsets" not in self._memo:
+            n, device = self.num_new, self.positions.device
+            if isinstance(self.among_new, torch.Tensor):
+                offsets = self.among_new.tril(-1).sum(dim=-1)
+            else:
+                offsets = torch.arange(n, device=device).view(1, n)
+            self._memo["offsets"] = offsets
+        return self._memo["offsets"]
+
     def slot_tensor(self) -> torch.Tensor:
         if "slots" not in self._memo:
             self._memo["slots"] = torch.tensor(self.slots, device=self.positions.device)

@@ -5,6 +5,9 @@ Target features (hidden states tapped from several target layers) are projected 
 tokens (`inject`), or, in a forward without a cache (training), passed along with the batch. The block
 `[bonus, MASK x (B-1)]` attends to that context plus itself in both directions. The draft has no LM
 head: the target's scores its output (over the draft's vocabulary, if it has one).
+
+A DFlash2 draft (`config.dflash2`) is the same with a causal convolution around each layer's attention and
+MLP (layers/conv.py) and a candidate selector (layers/selector.py; its walk: models/dflash2.py).
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ import torch
 from torch import nn
 
 from blockspec.layers.attention import Attention
+from blockspec.layers.conv import DynamicConv
 from blockspec.layers.embedding import Embedding
 from blockspec.layers.forward_batch import ForwardBatch
 from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.fused import fused_ops
 from blockspec.layers.rotary import Rope, Rotary, rotate
+from blockspec.layers.selector import CandidateSelector
 from blockspec.models.draft_config import DraftConfig
 from blockspec.models.target import MLP, BlockStack, block_stack
 
@@ -63,11 +68,21 @@ class DraftLayer(nn.Module):
         self.self_attn = DraftAttention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        d2 = cfg.dflash2
+        convs = [DynamicConv(cfg.hidden_size, d2.conv_kernel_size, d2.conv_group_size)
+                 for _ in range(2)] if d2 is not None else [None, None]
+        self.attention_conv, self.mlp_conv = convs
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope,
                 context: ContextKV | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, rope, context)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.attention_conv is None:
+            x = x + self.self_attn(self.input_layernorm(x), batch, rope, context)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        offsets = batch.block_offsets()
+        h, kernel = self.attention_conv.prepare(self.input_layernorm(x), offsets)
+        x = x + self.attention_conv.finish(self.self_attn(h, batch, rope, context), kernel, offsets)
+        h, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(x), offsets)
+        return x + self.mlp_conv.finish(self.mlp(h), kernel, offsets)
 
 
 class DFlashDraft(nn.Module):
@@ -84,6 +99,9 @@ class DFlashDraft(nn.Module):
         # Optional draft vocabulary (checkpoint tensor `draft_vocab`): the sorted token ids the draft may
         # propose; the proposals are ranked over these rows of the LM head only.
         self.register_buffer("vocab", None, persistent=False)
+        d2 = cfg.dflash2
+        self.candidate_selector = (CandidateSelector(cfg.hidden_size, d2.selector_rank, d2.vocab_size)
+                                   if d2 is not None else None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -103,10 +121,11 @@ class DFlashDraft(nn.Module):
 
     def block_stack(self) -> BlockStack | None:
         """The layers as the one-op CPU layer stack takes them (models/target.py), or None (dense layers,
-        sliding-window layers: the op has one mask for every layer)."""
+        sliding-window layers: the op has one mask for every layer; DFlash2 layers: it has no convolution)."""
         if "_block_stack" not in self.__dict__:
             full = all(kind == "full_attention" for kind in self.config.layer_types)
-            self.__dict__["_block_stack"] = block_stack(self.layers) if full else None
+            runs = full and self.config.dflash2 is None
+            self.__dict__["_block_stack"] = block_stack(self.layers) if runs else None
         return self.__dict__["_block_stack"]
 
     def use_target_embedding(self, embedding: Embedding) -> None:
@@ -118,7 +137,9 @@ class DFlashDraft(nn.Module):
         if embedding is None:
             raise ValueError("DFlashDraft: no embedding: call use_target_embedding(target.embed_tokens) "
                              "first.")
-        return embedding(ids).to(self.dtype)
+        scale = self.config.dflash2.input_embedding_scale if self.config.dflash2 is not None else 1.0
+        out = embedding(ids).to(self.dtype)
+        return out if scale == 1.0 else out * scale  # the whole block, anchor included (as z-lab)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [b, n, K*H] projected into the draft: hidden_norm(fc(features)) [b, n, H]."""
@@ -128,14 +149,16 @@ class DFlashDraft(nn.Module):
         """fc, hidden_norm and every layer's k/v blocks and k_norm as the one-op CPU injection
         (`draft_context`, blockspec/kernels/layer_stack.cpp) takes them, or None where it cannot."""
         if "_context_stack" not in self.__dict__:
-            stack, fc = self.block_stack(), self.fc.quant
-            runs = stack is not None and fc is not None and (fc.activations == "int8") == stack[4]
+            linears = [self.fc] + [layer.self_attn.qkv_proj for layer in self.layers]
+            runs = all(linear.quant is not None and linear.bias is None and linear.parallel is None
+                       for linear in linears) and len({linear.quant.activations for linear in linears}) == 1
             kv = [layer.self_attn.qkv_proj.quant.row_range(layer.self_attn.qkv_proj.shards[0])
                   for layer in self.layers] if runs else []
+            fc = self.fc.quant
             self.__dict__["_context_stack"] = None if not runs else (
                 fc.data, fc.qtype.ggml_id, self.hidden_norm.weight, [w.data for w in kv],
                 [w.qtype.ggml_id for w in kv], [layer.self_attn.k_norm.weight for layer in self.layers],
-                stack[4])
+                fc.activations == "int8")
         return self.__dict__["_context_stack"]
 
     def inject(self, features: torch.Tensor, batch: ForwardBatch) -> None:

@@ -9,12 +9,18 @@ names the field, the offending value, the limit and the fix.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from blockspec.errors import DraftConfigError, setting
 from blockspec.models.config import ModelConfig
+from blockspec.models.dflash2_config import ARCHITECTURE2, Dflash2Config, resolve_dflash2
+from blockspec.models.draft_values import FIX as _FIX
+from blockspec.models.draft_values import Warn
+from blockspec.models.draft_values import get as _get
+from blockspec.models.draft_values import int_value as _int
+from blockspec.models.draft_values import is_int as _is_int
+from blockspec.models.draft_values import positive_float as _positive_float
 
 _log = logging.getLogger(__name__)
 
@@ -23,11 +29,9 @@ DEFAULT_BLOCK_SIZE = 16
 DRAFT_VOCAB = "draft_vocab"  # optional int tensor [Vd] (a blockspec extension of the z-lab format)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3")
-# Features of other DFlash variants (DFlash2, Domino, MiMo) that blockspec does not implement.
-_UNSUPPORTED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
-                "projector_type", "attention_sink_bias", "attention_value_scale", "attention_bias")
-_FIX = "Fix the draft's config.json, or use the draft checkpoint trained for this target."
-Warn = Callable[[str], None]
+_DFLASH2_ONLY = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# Features of other DFlash variants (Domino, MiMo) that blockspec does not implement.
+_UNSUPPORTED = ("projector_type", "attention_sink_bias", "attention_value_scale", "attention_bias")
 
 
 @dataclass(frozen=True)
@@ -53,49 +57,26 @@ class DraftConfig:
     mask_token_id: int
     has_embed_tokens: bool
     vocab_size: int | None = None  # as declared by the draft config; bounds mask_token_id if it embeds
+    dflash2: Dflash2Config | None = None  # a DFlash2 draft's convolution and selector
 
     def to_json_dict(self) -> dict:
         """The z-lab format config.json content for this draft."""
         out: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": "qwen3", "hidden_act": "silu",
                                "attention_bias": False}
         out.update({k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()})
+        del out["dflash2"]
         dflash = {k: out.pop(k) for k in ("mask_token_id", "target_layer_ids", "mask_token")}
         out["dflash_config"] = {k: v for k, v in dflash.items() if v is not None}
+        if self.dflash2 is not None:  # z-lab sizes the codebooks by vocab_size; its layers are causal unless
+            out.update(architectures=[ARCHITECTURE2], vocab_size=self.dflash2.vocab_size, is_causal=False)
+            out["dflash_config"].update(self.dflash2.json_keys())
         for key in ("vocab_size", "has_embed_tokens"):  # written only when set
             if not out[key]:
                 del out[key]
         return out
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 MAX_DRAFT_LAYERS = 1024
-
-
-def _int(value: object, name: str, where: str, minimum: int = 1, fix: str = _FIX) -> int:
-    if not _is_int(value):
-        raise DraftConfigError(f"DFLASH {where}: invalid {name}={value!r} (a {type(value).__name__}); "
-                               f"it must be an integer >= {minimum}. {fix}")
-    if value < minimum:  # type: ignore[operator]
-        kind = "positive" if minimum == 1 else f">= {minimum}"
-        raise DraftConfigError(f"DFLASH {where}: {name}={value} must be {kind} (>= {minimum}). {fix}")
-    return value  # type: ignore[return-value]
-
-
-def _positive_float(value: object, name: str, where: str, default: float) -> float:
-    if value is None:
-        return default
-    try:
-        number = (float(value) if isinstance(value, (int, float)) and not isinstance(value, bool)
-                  else math.nan)
-    except OverflowError:  # an int too big for a float
-        number = math.inf
-    if not math.isfinite(number) or number <= 0:
-        raise DraftConfigError(f"DFLASH {where}: invalid {name}={value!r}; it must be a finite number > 0. "
-                               f"{_FIX}")
-    return number
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -221,13 +202,6 @@ def _resolve_mask(raw: dict, dcfg: dict, source: str, has_embed: bool, bound: in
     return token, mask_id  # type: ignore[return-value]
 
 
-def _get(raw: dict, dcfg: dict, key: str) -> tuple[Any, str]:
-    """`dflash_config.key` first, then top-level `key`; null counts as absent."""
-    if dcfg.get(key) is not None:
-        return dcfg[key], f"dflash_config.{key}"
-    return raw.get(key), key
-
-
 def _block_size(raw: dict, dcfg: dict, source: str, cli: int | None, warn: Warn) -> int:
     trained, where = _get(raw, dcfg, "block_size")
     if trained is not None:
@@ -283,16 +257,25 @@ def resolve_draft_config(raw: dict, *, target: ModelConfig, source: str = "confi
     if not isinstance(dcfg, dict):
         raise DraftConfigError(f"DFLASH {source}: dflash_config={dcfg!r} must be an object. {_FIX}")
     archs = raw.get("architectures")
-    if archs is not None and (not isinstance(archs, list) or ARCHITECTURE not in archs):
+    if archs is not None and (not isinstance(archs, list) or not {ARCHITECTURE, ARCHITECTURE2} & set(archs)):
         raise DraftConfigError(
-            f"DFLASH {source}: architectures={archs!r} is not a DFlash draft (expected [{ARCHITECTURE!r}]). "
-            f"Point {setting('draft_model_path')} at a DFlash draft checkpoint, not at a regular model.")
+            f"DFLASH {source}: architectures={archs!r} is not a DFlash draft (expected [{ARCHITECTURE!r}] or "
+            f"[{ARCHITECTURE2!r}]). Point {setting('draft_model_path')} at a DFlash draft checkpoint, not at "
+            f"a regular model.")
+    dflash2 = archs is not None and ARCHITECTURE2 in archs
+    for key in _DFLASH2_ONLY if not dflash2 else ():
+        value, where = _get(raw, dcfg, key)
+        if value not in (None, 0, False):
+            raise DraftConfigError(f"DFLASH {source}: {where}={value!r} is a DFlash2 setting, but "
+                                   f"architectures={archs!r} does not declare {ARCHITECTURE2!r}. Set "
+                                   f"architectures to [{ARCHITECTURE2!r}] if the checkpoint holds the "
+                                   f"convolutions and the selector, else drop the key.")
     for key in _UNSUPPORTED:
         value, where = _get(raw, dcfg, key)
         if value not in (None, 0, False):
             raise DraftConfigError(f"DFLASH {source}: {where}={value!r} selects a feature of another DFlash "
-                                   f"variant that blockspec does not implement; only plain DFlashDraftModel "
-                                   f"drafts run.")
+                                   f"variant that blockspec does not implement; only DFlashDraftModel and "
+                                   f"{ARCHITECTURE2} drafts run.")
     if raw.get("hidden_act") not in (None, "silu"):
         raise DraftConfigError(f"DFLASH {source}: hidden_act={raw['hidden_act']!r} is not supported; "
                                f"DFlash drafts use silu (SwiGLU). {_FIX}")
@@ -349,6 +332,14 @@ def resolve_draft_config(raw: dict, *, target: ModelConfig, source: str = "confi
     bound = (vocab if has_embed else target.vocab_size)  # None: checked in check_draft_tensors
     mask_token, mask_id = _resolve_mask(raw, dcfg, source, has_embed, bound, cli_mask_token,
                                         cli_mask_token_id, token_to_id, warn)
+    d2 = resolve_dflash2(raw, dcfg, source, hidden, target.vocab_size) if dflash2 else None
+    if d2 is not None:  # its codebooks have the target's vocabulary, declared or not
+        vocab = d2.vocab_size
+    if dflash2 and None not in (raw.get("block_size"), dcfg.get("block_size")) \
+            and raw["block_size"] != dcfg["block_size"]:
+        raise DraftConfigError(f"DFLASH {source}: block_size={raw['block_size']!r} and dflash_config.block_size="
+                               f"{dcfg['block_size']!r} disagree; keep one of them (the size the draft was "
+                               f"trained at).")
     return DraftConfig(
         hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
         head_dim=head_dim, intermediate_size=inter,
@@ -357,4 +348,4 @@ def resolve_draft_config(raw: dict, *, target: ModelConfig, source: str = "confi
         rope_scaling=rope_scaling, max_position_embeddings=max_pos, layer_types=layer_types,
         sliding_window=window, num_target_layers=big_l, target_layer_ids=layer_ids,
         block_size=_block_size(raw, dcfg, source, cli_block_size, warn), mask_token=mask_token,
-        mask_token_id=mask_id, has_embed_tokens=has_embed, vocab_size=vocab)
+        mask_token_id=mask_id, has_embed_tokens=has_embed, vocab_size=vocab, dflash2=d2)

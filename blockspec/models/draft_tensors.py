@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from blockspec.errors import DraftConfigError
+from blockspec.models.dflash2_config import ARCHITECTURE2, check_dflash2_tensors, dflash2_tensor_shapes
 from blockspec.models.draft_config import DRAFT_VOCAB, DraftConfig, Warn, vocab_note
 
 _log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ def draft_tensor_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
                 "hidden_norm.weight": (h,)})
     if cfg.has_embed_tokens:
         out["embed_tokens.weight"] = (cfg.vocab_size or -1, h)
+    if cfg.dflash2 is not None:
+        out.update(dflash2_tensor_shapes(cfg.dflash2, h, cfg.num_hidden_layers))
     return out
 
 
@@ -78,6 +81,12 @@ def check_draft_tensors(cfg: DraftConfig, shapes: dict[str, Any], source: str, *
             f"DFLASH {source}: the draft config declares has_embed_tokens=true but the checkpoint has no "
             f"embed_tokens.weight. Use the complete checkpoint (re-export it with its embedding), or drop "
             f"has_embed_tokens if the draft was trained on the target's embedding.")
+    if cfg.dflash2 is not None:
+        if DRAFT_VOCAB in got:  # the codebooks and the candidates' top-K span the target's whole vocabulary
+            raise DraftConfigError(
+                f"DFLASH {source}: a {ARCHITECTURE2} draft cannot carry {DRAFT_VOCAB}: its selector picks "
+                f"among the top-K of the target's whole vocabulary. Drop the {DRAFT_VOCAB} tensor.")
+        check_dflash2_tensors(cfg.dflash2, h, cfg.num_hidden_layers, got, source)
     missing = [n for n in want if n not in got]
     if missing:
         hint = (" The checkpoint names tensors with a 'model.' prefix; strip it."
