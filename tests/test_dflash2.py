@@ -58,13 +58,15 @@ def test_convolution_equals_its_formula(kernel, group):
     x = torch.randn(b, block * count, h, generator=gen(2))
     # training's layout: many blocks per row, each seeing only itself
     own = torch.arange(block * count) // block
-    batch = ForwardBatch.standalone(None, torch.zeros(b, block * count), (own[:, None] == own[None]).unsqueeze(0))
+    blocks = (own[:, None] == own[None]).unsqueeze(0)
+    batch = ForwardBatch.standalone(None, torch.zeros(b, block * count), blocks)
     offsets = batch.block_offsets()
     assert offsets.tolist() == [list(range(block)) * count]
     y, kernel_out = conv.prepare(x, offsets)
     delta = (x.double() @ conv.kernel_projection.weight.double().T).view(b, -1, 2, kernel, h // group)
     base = conv.base_kernel.double()
-    assert torch.allclose(y.double(), conv_loop(x.double(), base[0], delta[:, :, 0], offsets, group), atol=1e-5)
+    want = conv_loop(x.double(), base[0], delta[:, :, 0], offsets, group)
+    assert torch.allclose(y.double(), want, atol=1e-5)
     z = torch.randn(b, block * count, h, generator=gen(3))
     out = conv.finish(z, kernel_out, offsets)
     assert torch.allclose(out.double(), conv_loop(z.double(), base[1], delta[:, :, 1], offsets, group),
@@ -172,7 +174,8 @@ def test_identity_convolutions_reproduce_the_dflash_draft(tiny):
         cache = KVCache.for_model(draft, 2, 64)
         with torch.inference_mode():
             draft.inject(features, ForwardBatch.in_cache(cache, [0, 1], [0, 0], num_new=ctx))
-            outs.append(draft(ForwardBatch.in_cache(cache, [0, 1], [ctx, ctx], ids[:, :block], among_new="all")))
+            block_batch = ForwardBatch.in_cache(cache, [0, 1], [ctx, ctx], ids[:, :block], among_new="all")
+            outs.append(draft(block_batch))
     assert torch.equal(outs[0], outs[1])
 
 
@@ -188,7 +191,8 @@ def write_checkpoint(folder, cfg: ModelConfig, v1_folder, seed: int = 0, **extra
     for i in range(raw["num_hidden_layers"]):
         for conv in ("attention_conv", "mlp_conv"):
             tensors[f"layers.{i}.{conv}.base_kernel"] = torch.randn(2, 2, h, generator=rng) * 0.5
-            tensors[f"layers.{i}.{conv}.kernel_projection.weight"] = torch.randn(4 * g, h, generator=rng) * 0.1
+            projection = torch.randn(4 * g, h, generator=rng) * 0.1
+            tensors[f"layers.{i}.{conv}.kernel_projection.weight"] = projection
     for name in ("predecessor_codebook", "successor_codebook"):
         tensors[f"candidate_selector.{name}"] = torch.randn(cfg.vocab_size, 16, generator=rng) * 0.5
     tensors["candidate_selector.hidden_projection.weight"] = torch.randn(16, h, generator=rng) * 0.5
@@ -204,8 +208,8 @@ def test_a_dflash2_checkpoint_loads_and_saves_back_in_its_format(tiny, tmp_path)
     write_checkpoint(tmp_path / "zlab", cfg, folder / "draft", input_embedding_scale=1.25)
     draft = load_draft(tmp_path / "zlab", cfg, torch.float32, CPU)
     d2 = draft.config.dflash2
-    assert (d2.selector_top_k, d2.output_multiplier, d2.final_logit_softcapping, d2.input_embedding_scale) == (
-        8, 0.8, 6.0, 1.25)
+    got = (d2.selector_top_k, d2.output_multiplier, d2.final_logit_softcapping, d2.input_embedding_scale)
+    assert got == (8, 0.8, 6.0, 1.25)
     save_draft(draft, tmp_path / "back")
     raw = json.loads((tmp_path / "back" / "config.json").read_text())
     assert raw["architectures"] == ["DFlash2DraftModel"] and raw["vocab_size"] == cfg.vocab_size
@@ -252,3 +256,155 @@ def test_greedy_and_sampled_walks_from_the_runner(tiny, tmp_path):
         again = select_path(draft, target.lm_head, hid, block[:, 0], torch.tensor([0.0, 0.9]), u)
     assert torch.equal(mixed.tokens[0], greedy.tokens[0]) and torch.equal(mixed.tokens, again.tokens)
     assert torch.allclose(mixed.q.sum(-1), torch.ones(2, 4)) and bool((mixed.q[0].max(-1).values == 1).all())
+
+
+# ---------------------------------------------------------------- every mistake named, before any weight
+
+
+def edit(folder, config=None, drop=(), reshape=None, add=None) -> None:
+    """Change a written checkpoint: its config.json's dflash_config (None deletes a key) or top level
+    (keys starting with '/'), tensors dropped, replaced by another shape, or added."""
+    from safetensors import safe_open
+
+    raw = json.loads((folder / "config.json").read_text())
+    for key, value in (config or {}).items():
+        where, key = (raw, key[1:]) if key.startswith("/") else (raw["dflash_config"], key)
+        if value is None:
+            where.pop(key, None)
+        else:
+            where[key] = value
+    (folder / "config.json").write_text(json.dumps(raw))
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys() if n not in drop}
+    for name, shape in (reshape or {}).items():
+        tensors[name] = torch.zeros(shape)
+    tensors.update(add or {})
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+MISTAKES = [
+    ({"conv_kernel_size": None}, {}, r"needs dflash_config.conv_kernel_size, which is missing"),
+    ({"selector_top_k": 0}, {}, r"selector_top_k=0 must be positive"),
+    ({"selector_rank": 2.5}, {}, r"invalid dflash_config.selector_rank=2.5"),
+    ({"conv_group_size": 24}, {}, r"conv_group_size=24 does not divide hidden_size=64"),
+    ({"selector_top_k": 98}, {},
+     r"selector_top_k=98 is larger than the target's vocabulary \(vocab_size=97\)"),
+    ({"/vocab_size": 120}, {}, r"vocab_size=120, but the target's vocabulary has 97 tokens"),
+    ({"output_multiplier": -1}, {}, r"invalid dflash_config.output_multiplier=-1; .*finite number > 0"),
+    ({"final_logit_softcapping": -3.0}, {}, r"final_logit_softcapping=-3.0; .*finite number > 0"),
+    ({"input_embedding_scale": "big"}, {}, r"invalid dflash_config.input_embedding_scale='big'"),
+    ({"block_size": 6, "/block_size": 8}, {}, r"block_size=8 and dflash_config.block_size=6 disagree"),
+    ({"/architectures": ["DFlashDraftModel"]}, {},
+     r"conv_kernel_size=2 is a DFlash2 setting.*DFlash2DraftModel"),
+    ({}, {"drop": ["layers.1.mlp_conv.base_kernel"]},
+     r"missing layers.1.mlp_conv.base_kernel: every layer needs attention_conv and mlp_conv"),
+    ({}, {"drop": ["candidate_selector.successor_codebook"],
+          "add": {"candidate_selector.successor_codebook.weight": torch.zeros(97, 16)}},
+     r"missing candidate_selector.successor_codebook.*with a '.weight' suffix"),
+    ({"selector_rank": 32}, {},
+     r"predecessor_codebook has shape \[97, 16\] \(rank 16\), which disagrees with .*selector_rank=32"),
+    ({"conv_kernel_size": 3}, {}, r"base_kernel has shape \[2, 2, 64\] \(2 taps\).*conv_kernel_size=3"),
+    ({"conv_group_size": 8}, {},
+     r"kernel_projection.weight has shape \[16, 64\] \(16 rows \(group size 16\)\).*conv_group_size=8"),
+    ({}, {"reshape": {"candidate_selector.predecessor_codebook": (90, 16)}},
+     r"predecessor_codebook has 90 rows, but the target's vocabulary has 97 tokens"),
+    ({}, {"add": {"draft_vocab": torch.arange(40)}}, r"DFlash2DraftModel draft cannot carry draft_vocab"),
+]
+
+
+@pytest.mark.parametrize("config,tensors,message", MISTAKES)
+def test_every_config_mistake_is_named_before_a_weight_is_read(tiny, tmp_path, monkeypatch, config, tensors,
+                                                               message):
+    from blockspec.errors import DraftConfigError
+    from blockspec.models import loader
+
+    _, cfg, _, folder = tiny
+    write_checkpoint(tmp_path / "d2", cfg, folder / "draft")
+    edit(tmp_path / "d2", config, **tensors)
+    monkeypatch.setattr(loader, "load_into", lambda *a: pytest.fail("a weight was read"))
+    with pytest.raises(DraftConfigError, match=message):
+        load_draft(tmp_path / "d2", cfg, torch.float32, CPU)
+
+
+def test_a_dflash2_mistake_exits_2_through_the_command_line(tiny, tmp_path, capsys):
+    from blockspec.cli import main
+    from tests.tiny import write_tiny_tokenizer
+
+    _, cfg, _, folder = tiny
+    write_tiny_tokenizer(folder / "target")
+    write_checkpoint(tmp_path / "d2", cfg, folder / "draft")
+    edit(tmp_path / "d2", {"conv_group_size": 24})
+    code = main(["generate", "--model-path", str(folder / "target"), "--draft-model-path",
+                 str(tmp_path / "d2"), "--max-new-tokens", "2", "ab"])
+    err = capsys.readouterr().err
+    assert code == 2 and "conv_group_size=24 does not divide hidden_size=64" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- lossless end to end
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "llama-q4_1"])
+def engines(request, tmp_path_factory):
+    """Per tiny target: a DFlash2 draft (random convolutions and selector) in fp32 and held as q8_0 blocks."""
+    folder = tmp_path_factory.mktemp(request.param)
+    target, cfg, draft_folder = tiny_target_with_draft(folder, request.param, CPU, draft_block_size=8)
+    write_checkpoint(folder / "d2", cfg, draft_folder)
+    out = {}
+    for form in (None, "q8_0"):
+        draft = load_draft(folder / "d2", cfg, torch.float32, CPU, quantization=form)
+        out[form] = TinyEngine(target, draft, 8, num_slots=3, max_len=160)
+    return out
+
+
+@pytest.mark.parametrize("form", [None, "q8_0"])
+def test_greedy_and_seeded_sampled_dflash2_equal_plain_decoding(engines, form):
+    from blockspec.engine.sequence import Sequence
+
+    engine = engines[form]
+    draft = engine.runner.draft
+    assert (draft.block_stack() is None) and (draft.context_stack() is not None) == (form is not None)
+    prompts = [list(range(10, 40)), [7, 8, 9], list(range(60, 90, 2))]
+    for size in (2, 3, 5, 8):
+        engine.set_block_size(size)
+        for params in (SamplingParams(max_tokens=40), SamplingParams(max_tokens=30, temperature=0.8, seed=3)):
+            plain = engine.run([Sequence(p, params, frozenset()) for p in prompts], use_draft=False)
+            spec = engine.run([Sequence(p, params, frozenset()) for p in prompts], use_draft=True)
+            for p, s in zip(plain, spec):
+                assert s.output_ids == p.output_ids
+                assert all(1 <= a <= size for a in s.stats.accept_lengths) and s.stats.accept_lengths
+
+
+@pytest.fixture(scope="module")
+def smollm2_dflash2(smollm2_dir, tmp_path_factory):
+    """A DFlash2 draft for the embedded SmolLM2 made from the shipped DFlash draft (identity convolutions,
+    a random selector large enough to change some paths)."""
+    from blockspec.llm import DEFAULT_DRAFT
+    from blockspec.models.tokenizer import Tokenizer
+
+    cfg = ModelConfig.from_folder(smollm2_dir)
+    v1 = load_draft(DEFAULT_DRAFT, cfg, torch.float32, CPU, Tokenizer.from_folder(smollm2_dir).token_to_id)
+    v1.vocab = None  # a DFlash2 draft picks among the whole vocabulary's top-K
+    d2 = Dflash2Config(2, 16, 64, 16, cfg.vocab_size, final_logit_softcapping=30.0)
+    folder = tmp_path_factory.mktemp("smollm2-dflash2")
+    save_draft(dflash2_from(v1, d2, gen(0), std=0.3), folder)
+    return folder
+
+
+@pytest.mark.parametrize("form", ["none", "q8_0"])
+def test_greedy_dflash2_on_smollm2_equals_plain_decoding(smollm2_dflash2, form):
+    from blockspec import LLM
+
+    llm = LLM(draft_model_path=str(smollm2_dflash2), draft_quantization=form, max_num_seqs=2,
+              max_model_len=512, adaptive_speculation=False, prompt_lookup_ngram=0, block_size=8)
+    assert llm.draft.config.dflash2 is not None and (llm.draft.fc.quant is not None) == (form == "q8_0")
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": "Write a haiku about rain."}]),
+               "def fibonacci(n):"]
+    params = SamplingParams(max_tokens=24)
+    plain = llm.generate(prompts, params, speculative_algorithm="NONE")
+    taus = []
+    for size in range(2, 9):
+        llm.set_block_size(size)
+        for p, s in zip(plain, llm.generate(prompts, params)):
+            assert s.token_ids == p.token_ids, size
+            taus.append(sum(s.accept_lengths) / len(s.accept_lengths))
+    assert max(taus) > 1.2  # the shipped draft's backbone still drafts

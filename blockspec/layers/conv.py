@@ -50,7 +50,8 @@ class DynamicConv(nn.Module):
         """The sublayer's output y [b, n, H] convolved with the kernel `prepare` predicted."""
         return self.convolve(y, kernel, 1, offsets)
 
-    def convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int, offsets: torch.Tensor) -> torch.Tensor:
+    def convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int,
+                 offsets: torch.Tensor) -> torch.Tensor:
         b, n, hidden = x.shape
         values = x.view(b, n, self.groups, self.group_size)
         base = self.base_kernel[side].to(x.dtype).view(self.kernel_size, self.groups, self.group_size)

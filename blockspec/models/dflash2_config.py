@@ -100,8 +100,9 @@ def check_dflash2_tensors(d2: Dflash2Config, hidden: int, layers: int, got: dict
         hint = (f" The checkpoint names {bare[0]} with a '.weight' suffix; the format stores the codebooks "
                 f"bare: rename them." if bare else "")
         raise DraftConfigError(f"DFLASH {source}: the {ARCHITECTURE2} checkpoint is missing "
-                               f"{', '.join(missing[:4])}{more}: every layer needs attention_conv and mlp_conv "
-                               f"(base_kernel, kernel_projection.weight) and the draft needs {SELECTOR} "
+                               f"{', '.join(missing[:4])}{more}: every layer needs attention_conv and "
+                               f"mlp_conv (base_kernel, kernel_projection.weight) and the draft needs "
+                               f"{SELECTOR} "
                                f"(predecessor_codebook, successor_codebook, hidden_projection.weight).{hint} "
                                f"Use a complete DFlash2 checkpoint, or architectures [\"DFlashDraftModel\"] "
                                f"for a DFlash one.")
@@ -111,20 +112,22 @@ def check_dflash2_tensors(d2: Dflash2Config, hidden: int, layers: int, got: dict
             continue  # right, or for the generic shape check to report
         if name.endswith("base_kernel") and shape[1] != k:
             _mismatch(source, name, shape, f"conv_kernel_size={k}", f"{shape[1]} taps")
-        if name.endswith("kernel_projection.weight") and shape[0] != 2 * k * groups and shape[0] % (2 * k) == 0:
-            implied = hidden * 2 * k / shape[0]
+        rows = shape[0]
+        if name.endswith("kernel_projection.weight") and rows != 2 * k * groups and rows % (2 * k) == 0:
+            implied = hidden * 2 * k / rows
             _mismatch(source, name, shape, f"conv_group_size={d2.conv_group_size} ({groups} groups: "
-                      f"{2 * k * groups} rows)", f"{shape[0]} rows (group size {implied:g})")
+                      f"{2 * k * groups} rows)", f"{rows} rows (group size {implied:g})")
         if SELECTOR in name and shape[-1 if "codebook" in name else 0] != r:
             _mismatch(source, name, shape, f"selector_rank={r}",
                       f"rank {shape[-1 if 'codebook' in name else 0]}")
         if "codebook" in name and shape[0] != d2.vocab_size:
-            raise DraftConfigError(f"DFLASH {source}: {name} has {shape[0]} rows, but the target's vocabulary "
-                                   f"has {d2.vocab_size} tokens (one row per token). The draft was trained "
-                                   f"for another tokenizer; use the DFlash2 draft made for this target.")
+            raise DraftConfigError(f"DFLASH {source}: {name} has {shape[0]} rows, but the target's "
+                                   f"vocabulary has {d2.vocab_size} tokens (one row per token). The draft "
+                                   f"was trained for another tokenizer; use the DFlash2 draft made for this "
+                                   f"target.")
 
 
 def _mismatch(source: str, name: str, shape: tuple[int, ...], setting: str, theirs: str) -> None:
-    raise DraftConfigError(f"DFLASH {source}: {name} has shape {list(shape)} ({theirs}), which disagrees with "
-                           f"dflash_config.{setting}. config.json and the weights come from different "
+    raise DraftConfigError(f"DFLASH {source}: {name} has shape {list(shape)} ({theirs}), which disagrees "
+                           f"with dflash_config.{setting}. config.json and the weights come from different "
                            f"drafts; use a matching pair.")

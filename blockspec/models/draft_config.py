@@ -337,9 +337,9 @@ def resolve_draft_config(raw: dict, *, target: ModelConfig, source: str = "confi
         vocab = d2.vocab_size
     if dflash2 and None not in (raw.get("block_size"), dcfg.get("block_size")) \
             and raw["block_size"] != dcfg["block_size"]:
-        raise DraftConfigError(f"DFLASH {source}: block_size={raw['block_size']!r} and dflash_config.block_size="
-                               f"{dcfg['block_size']!r} disagree; keep one of them (the size the draft was "
-                               f"trained at).")
+        raise DraftConfigError(f"DFLASH {source}: block_size={raw['block_size']!r} and "
+                               f"dflash_config.block_size={dcfg['block_size']!r} disagree; keep one of them "
+                               f"(the size the draft was trained at).")
     return DraftConfig(
         hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
         head_dim=head_dim, intermediate_size=inter,
