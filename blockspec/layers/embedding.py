@@ -87,6 +87,7 @@ class LMHead(Linear):
         self.plan: dict[int, str] | None = None
         # (int8 form, vocab) it was built for, this rank's ids of that vocab and their sub-head
         self._subsets: tuple | None = None
+        self._vocab_head: tuple | None = None  # (vocab, its rows' head): logits_over
         self.vocab_size, self.vocab_start = vocab_size, 0  # this rank's logits are ids vocab_start..
 
     def shard_vocab(self, group: TPGroup) -> None:
@@ -110,13 +111,13 @@ class LMHead(Linear):
             raise ValueError("LMHead.use_blocks: a tied head takes its embedding's blocks: switch the "
                              "embedding first.")
         self.quant, self.weight, self.layout = self.tied_to.quant, None, None
-        self._subsets = None
+        self._subsets = self._vocab_head = None
 
     def set_layouts(self, plan: dict[int, str] | None, copies: bool = False) -> None:
         """As `Linear.set_layouts`, but a 100 MB head is never copied: it takes only the forms its stored
         weight allows (all of them for a tied head, whose weight is the row-major embedding)."""
         self.plan = plan
-        self._subsets = None
+        self._subsets = self._vocab_head = None
         super().set_layouts(plan, copies)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -193,6 +194,20 @@ class LMHead(Linear):
         logprobs = value.gather(-1, order) - every[..., -1].logsumexp(dim=-1, keepdim=True)
         return logprobs.float(), token.gather(-1, order).long()
 
+    def logits_over(self, h: torch.Tensor, vocab: torch.Tensor | None) -> tuple[torch.Tensor,
+                                                                                 torch.Tensor | None]:
+        """Exact fp32 logits for h [M, H] over the sorted token ids `vocab` (all, when None) and their
+        columns' ids (None: all, in order). A head of those rows alone is built once per vocabulary (under
+        TP: the gathered logits' columns)."""
+        if vocab is None:
+            return self.logits(h), None
+        if self.tp is not None:
+            return self.logits(h)[:, vocab], vocab
+        built = self._vocab_head
+        if built is None or built[0] is not vocab:
+            built = self._vocab_head = (vocab, self.rows(vocab))
+        return built[1].logits(h), vocab
+
     def shard_scores(self, h: torch.Tensor, vocab: torch.Tensor | None) -> tuple[torch.Tensor | None,
                                                                                   torch.Tensor | None]:
         """This rank's `scores` for h [M, H] and their columns' token ids (None: its rows in order, from
@@ -227,7 +242,7 @@ class LMHead(Linear):
         exact either way, at a quarter of the head's memory traffic (it won on a Xeon with bf16 units and on
         an AMD EPYC without them: 7.3 vs 11.9 ms for SmolLM2). It then also scores draft proposals."""
         self.int8 = None
-        self._subsets = None
+        self._subsets = self._vocab_head = None
         weight = self.weight
         if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32 \
                 or not Int8ArgmaxHead.supports(weight):

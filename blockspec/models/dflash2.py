@@ -14,15 +14,16 @@ from blockspec.models.dflash2_config import Dflash2Config
 from blockspec.models.draft import DFlashDraft
 
 
-def unary_candidates(head: LMHead, hidden: torch.Tensor, d2: Dflash2Config) -> tuple[torch.Tensor,
-                                                                                      torch.Tensor]:
+def unary_candidates(head: LMHead, hidden: torch.Tensor, d2: Dflash2Config,
+                     vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each drafted position's K candidates, best first: (unary scores fp32 [b, γ, K], ids [b, γ, K]) for
-    the draft's final-normed hidden states [b, γ, H]. Unary = the target's logits times output_multiplier,
-    softcapped; both are increasing, so the top-K of the raw logits is theirs (under tensor parallelism the
-    logits are gathered first)."""
+    the draft's final-normed hidden states [b, γ, H], among the sorted token ids `vocab` only when the draft
+    has a vocabulary. Unary = the target's logits times output_multiplier, softcapped; both are increasing,
+    so the top-K of the raw logits is theirs (under tensor parallelism the logits are gathered first)."""
     b, steps, width = hidden.shape
-    logits = head.logits(hidden.reshape(-1, width))  # exact fp32 logits [b * γ, V]
+    logits, columns = head.logits_over(hidden.reshape(-1, width), vocab)  # exact fp32 [b * γ, V or |vocab|]
     values, ids = logits.topk(d2.selector_top_k, dim=-1)
+    ids = ids if columns is None else columns[ids]
     values = values * d2.output_multiplier
     if d2.final_logit_softcapping is not None:
         values = torch.tanh(values / d2.final_logit_softcapping) * d2.final_logit_softcapping
@@ -33,7 +34,7 @@ def lattice(draft: DFlashDraft, head: LMHead, hidden: torch.Tensor,
             anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(edge scores fp32 [b, γ, K, K], candidate ids [b, γ, K]) for a DFlash2 draft's hidden states at the
     drafted positions [b, γ, H] after the anchors [b] (each block's pending token)."""
-    unary, candidates = unary_candidates(head, hidden, draft.config.dflash2)
+    unary, candidates = unary_candidates(head, hidden, draft.config.dflash2, draft.vocab)
     return draft.candidate_selector.lattice(hidden, unary, candidates, anchor), candidates
 
 
@@ -53,9 +54,6 @@ def dflash2_from(draft: DFlashDraft, d2: Dflash2Config, generator: torch.Generat
     `generator` (a warm start for training). Same dtype and device as `draft`."""
     if draft.config.dflash2 is not None:
         raise ValueError("dflash2_from: the draft is already a DFlash2 draft.")
-    if draft.vocab is not None:
-        raise ValueError("dflash2_from: a DFlash2 draft picks among the target's whole vocabulary; drop the "
-                         "draft's vocabulary (draft_vocab) first.")
     if any(getattr(module, "quant", None) is not None for module in draft.modules()):
         raise ValueError("dflash2_from: the draft holds weights as blocks; load it dense (no draft "
                          "quantization).")
@@ -76,6 +74,7 @@ def dflash2_from(draft: DFlashDraft, d2: Dflash2Config, generator: torch.Generat
         layer.attention_conv.set_identity()
         layer.mlp_conv.set_identity()
     made.candidate_selector.init_random(generator, std)
+    made.vocab = draft.vocab
     if draft.target_embedding is not None:
         made.use_target_embedding(draft.target_embedding)
     return made.to(draft.device).train(draft.training)

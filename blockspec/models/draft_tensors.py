@@ -82,10 +82,6 @@ def check_draft_tensors(cfg: DraftConfig, shapes: dict[str, Any], source: str, *
             f"embed_tokens.weight. Use the complete checkpoint (re-export it with its embedding), or drop "
             f"has_embed_tokens if the draft was trained on the target's embedding.")
     if cfg.dflash2 is not None:
-        if DRAFT_VOCAB in got:  # the codebooks and the candidates' top-K span the target's whole vocabulary
-            raise DraftConfigError(
-                f"DFLASH {source}: a {ARCHITECTURE2} draft cannot carry {DRAFT_VOCAB}: its selector picks "
-                f"among the top-K of the target's whole vocabulary. Drop the {DRAFT_VOCAB} tensor.")
         check_dflash2_tensors(cfg.dflash2, h, cfg.num_hidden_layers, got, source)
     missing = [n for n in want if n not in got]
     if missing:
