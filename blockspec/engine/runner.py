@@ -22,8 +22,8 @@ from blockspec.layers.forward_batch import ForwardBatch
 from blockspec.layers.kv_cache import KVCache
 from blockspec.layers.layout_tuning import DEFAULT_PROBE_ROWS, tune_layouts
 from blockspec.layers.linear import Linear
-from blockspec.layers.selector import Walk
-from blockspec.models.dflash2 import select_path
+from blockspec.layers.selector import Walk, walk
+from blockspec.models.dflash2 import lattice
 from blockspec.models.draft import DFlashDraft
 from blockspec.models.target import CausalLM
 
@@ -234,8 +234,12 @@ class ModelRunner:
         """A DFlash2 draft's walk from each block's pending token through its candidates (models/dflash2.py):
         greedy rows (temperature 0, or None for all), and rows drawn at temperatures [b] with uniforms
         [b, B-1]; tokens [b, B-1], candidates and the proposal distribution q [b, B-1, K]."""
-        hidden = self.draft_hidden(seqs, block)
-        return select_path(self.draft, self.target.lm_head, hidden, block[:, 0], temperatures, uniforms)
+        return walk(*self.draft_lattice(seqs, block), temperatures, uniforms)
+
+    def draft_lattice(self, seqs: list[Sequence], block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A DFlash2 draft's edge scores [b, B-1, K, K] and candidate ids [b, B-1, K] after each block's
+        pending token (models/dflash2.py): a walk's or a selector tree's material."""
+        return lattice(self.draft, self.target.lm_head, self.draft_hidden(seqs, block), block[:, 0])
 
     def draft_hidden(self, seqs: list[Sequence], block: torch.Tensor) -> torch.Tensor:
         """The draft's last hidden states at a block's drafted positions [b, B-1, H]."""

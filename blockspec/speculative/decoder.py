@@ -23,6 +23,7 @@ from blockspec.speculative.governor import SpecGovernor
 from blockspec.speculative.lookup import lookups
 from blockspec.speculative.merge import MergedTree
 from blockspec.speculative.plan import DraftShape, Speculation, StepPlan, choose_plan
+from blockspec.speculative.selector_tree import selector_tree
 from blockspec.speculative.tree import Tree, build_tree
 
 
@@ -172,13 +173,18 @@ class Decoder:
         return torch.tensor(rows, device=self.runner.device), trees, merged
 
     def draft_trees(self, seqs: list[Sequence], shape: DraftShape) -> list[Tree]:
-        """The draft's candidates per row as a tree: from its top-k per position (tree.py), or its chain
-        where the shape is one (a merged step's draft side)."""
+        """The draft's candidates per row as a tree: from its top-k per position (tree.py) or, for a DFlash2
+        draft, a beam over its selector's lattice (selector_tree.py); or its chain where the shape is one
+        (a merged step's draft side)."""
         spec = self.speculation
         if not seqs:
             return []
         if not shape.tree_budget:
             return [Tree.chain(row) for row in self.draft.propose(seqs, spec.block_size).tolist()]
+        if self.runner.draft.config.dflash2 is not None:
+            scores, candidates = self.draft.lattice(seqs, spec.block_size)
+            return [selector_tree(row_scores, row_candidates, spec.tree_topk, shape.tree_budget)
+                    for row_scores, row_candidates in zip(scores.cpu(), candidates.cpu())]
         logprobs, ids = self.draft.rank(seqs, spec.block_size, spec.tree_topk)
         return [build_tree(logp, ranked, shape.tree_budget, spec.tree_rule)
                 for logp, ranked in zip(logprobs.cpu(), ids.cpu())]

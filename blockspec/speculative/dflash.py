@@ -33,6 +33,11 @@ class DFlashProposer:
         a tree's material (the rows must have caught up)."""
         return self.runner.draft_ranking(seqs, self.block(seqs, block_size), k)
 
+    def lattice(self, seqs: list[Sequence], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A DFlash2 draft's edge scores [b, B-1, K, K] and candidates [b, B-1, K] (a selector tree's
+        material; the rows must have caught up)."""
+        return self.runner.draft_lattice(seqs, self.block(seqs, block_size))
+
     def block(self, seqs: list[Sequence], block_size: int) -> torch.Tensor:
         """[pending, MASK x (B-1)] per row."""
         block = torch.full((len(seqs), block_size), self.mask_token_id, device=self.runner.device)
