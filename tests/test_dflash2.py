@@ -316,6 +316,8 @@ MISTAKES = [
      r"kernel_projection.weight has shape \[16, 64\] \(16 rows \(group size 16\)\).*conv_group_size=8"),
     ({}, {"reshape": {"candidate_selector.predecessor_codebook": (90, 16)}},
      r"predecessor_codebook has 90 rows, but the target's vocabulary has 97 tokens"),
+    ({}, {"add": {"draft_vocab": torch.arange(5)}},
+     r"selector_top_k=8 is larger than the draft's vocabulary \(draft_vocab holds 5 ids\)"),
 ]
 
 
