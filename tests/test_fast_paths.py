@@ -50,11 +50,12 @@ def test_unsupported_width_is_refused():
 
 
 @pytest.mark.parametrize("layout", ["nn", "nt", "wx", "packed"])
+@torch.no_grad()  # layouts are for inference (with grad enabled the stored weight multiplies)
 def test_linear_layouts_match_and_fall_back(layout):
     """Linear.set_layouts: each layout computes the same product for its row counts (key 0: any other count
     of 2..SMALL_ROWS rows); one row (unless planned), and counts above SMALL_ROWS, use F.linear on the stored
     weight."""
-    from blockspec.layers.layout import SMALL_ROWS
+    from blockspec.layers.layout import SMALL_ROWS, stored_product
     from blockspec.layers.linear import Linear
 
     if layout == "packed" and not torch.backends.mkl.is_available():
@@ -75,12 +76,43 @@ def test_linear_layouts_match_and_fall_back(layout):
     layer.set_layouts({4: layout, 2: layout, 0: "wx" if layout == "packed" else layout})
     for rows, x in inputs.items():
         torch.testing.assert_close(layer(x), expected[rows], rtol=1e-5, atol=1e-5)
-    for rows in (1, SMALL_ROWS + 1):
-        assert torch.equal(layer(inputs[rows]), expected[rows])
+    for rows in (1, SMALL_ROWS + 1):  # the stored form: one row as two, many rows as F.linear
+        assert torch.equal(layer(inputs[rows]), stored_product(inputs[rows], layer.weight, layer.bias))
+    assert torch.equal(layer(inputs[SMALL_ROWS + 1]), expected[SMALL_ROWS + 1])
     layer.set_layouts(None)
     assert layer.layout is None
     with pytest.raises(ValueError, match="unknown layout 'tn'"):
         layer.set_layouts({2: "tn"})
+
+
+@pytest.mark.parametrize("plan", [None, {1: "nn", 0: "nn"}, {1: "wx", 4: "nt", 0: "nt"},
+                                  {1: "wx", 4: "wx", 0: "wx"}, {1: "nn", 4: "packed", 0: "nt"}])
+def test_a_row_is_the_same_bits_whatever_the_row_count(plan):
+    """A dense fp32 Linear (column-major, with a bias) and a tied LM head (the row-major embedding) give a
+    row the same bits alone (a decode step), inside any 2..80-row input (a batch, a verify block, a prefill
+    chunk), wherever it sits, under any plan: forms that round otherwise on this CPU are dropped. (MKL
+    multiplies one row as a GEMV whose sums round otherwise than its GEMM's, and its NT form rounds by row
+    count: a request batched beside others sampled other tokens than alone.)"""
+    from blockspec.layers.embedding import Embedding, LMHead
+    from blockspec.layers.linear import Linear
+
+    if plan and "packed" in plan.values() and not torch.backends.mkl.is_available():
+        pytest.skip("no MKL")
+    gen = torch.Generator().manual_seed(0)
+    layer = Linear(64, [96, 96], bias=True)
+    embedding = Embedding(97, 64)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(192, 64, generator=gen) * 0.2)
+        layer.bias.copy_(torch.randn(192, generator=gen))
+    embedding.load("weight", torch.randn(97, 64, generator=gen) * 0.2)
+    head = LMHead(64, 97, tied_to=embedding)
+    x = torch.randn(80, 64, generator=gen)
+    with torch.inference_mode():
+        for module in (layer, head):
+            module.set_layouts(plan)
+            alone = torch.cat([module(x[i : i + 1]) for i in range(len(x))])
+            for rows in (2, 3, 4, 5, 7, 16, 17, 64, 65, 80):
+                assert torch.equal(module(x[80 - rows :]), alone[80 - rows :]), (type(module), rows)
 
 
 def test_lm_head_layouts_never_copy_the_head():
@@ -109,6 +141,9 @@ def test_tuned_plan_is_measured_once_per_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(layout_tuning, "SAVE_AFTER_S", 0.0)  # this toy measurement is quick: save it anyway
     monkeypatch.setattr(layout_tuning, "_measured", {})
     layers = [Linear(16, 32), Linear(32, 16)]
+    with torch.no_grad():  # real weights (not torch.empty's): a form is kept only where it rounds alike
+        for layer in layers:
+            layer.weight.normal_()
     current = {}
 
     def run(rows):  # "wx" is the fast one at every count

@@ -199,6 +199,29 @@ def test_on_step_streams_every_token_once(engine):
         assert lengths == sorted(lengths) and lengths[-1] == len(seq.output_ids)
 
 
+@pytest.mark.parametrize("plan", [None, {1: "nn", 4: "nt", 0: "nt"}])
+def test_prefilled_in_chunks_of_4_beside_another_equals_alone(engine, plan):
+    """Found by the random workloads below: a sampled request prefilled 4 tokens a step beside a greedy one
+    drew other tokens from index 3 than alone (one-row steps multiplied as GEMVs, rounding otherwise than
+    the 2-row steps; an NT form rounding by row count), under the stored forms and under a tuned plan."""
+    from blockspec.layers.layout_tuning import apply_plan
+    from blockspec.layers.linear import Linear
+
+    linears = [m for model in (engine.runner.target, engine.runner.draft) for m in model.modules()
+               if isinstance(m, Linear)]
+    tuned = engine.runner.target.lm_head.plan
+    reqs = [([56, 34, 71, 35, 68, 87], SamplingParams(max_tokens=7, temperature=0.9, seed=0), []),
+            ([0], SamplingParams(max_tokens=4, seed=1), [])]
+    try:
+        apply_plan(linears, plan)
+        want = alone(engine, False, reqs)
+        got = fresh(reqs)
+        drive(engine.scheduler(False, max_total_tokens=13, prefill_tokens_per_step=4), got)
+    finally:
+        apply_plan(linears, tuned)
+    assert_same(got, want)
+
+
 prompt_st = st.lists(st.integers(0, 96), min_size=1, max_size=40)
 request_st = st.tuples(prompt_st, st.integers(1, 40), st.booleans(),
                        st.lists(st.integers(0, 96), max_size=2))

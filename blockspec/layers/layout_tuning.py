@@ -7,7 +7,7 @@ for 4; on a 2-core AMD EPYC (AVX2) a SmolLM2 pass of 2 rows costs 2.0x a one-row
 MKL's GEMV is slower than its 2-column GEMM, so even one row goes faster as two
 (scripts/verify_rows_bench.py). No fixed rule is right on both, so the runner measures: a few target
 passes of each candidate at each row count it will run, the fastest kept. Output tokens don't depend on
-the choice beyond fp32 rounding (as with any kernel).
+the choice: a form that rounds otherwise than the stored one on this CPU is never kept (layout.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from blockspec.layers.linear import Linear
 DEFAULT_PROBE_ROWS = 16  # key 0 (every other 2..SMALL_ROWS-row input) is chosen by timing this many rows
 PLANS_FILE = "layouts.json"  # under $BLOCKSPEC_HOME: measured once per CPU, thread count and model shape
 SAVE_AFTER_S = 1.0  # a plan whose measurement took longer is saved
-PLAN_VERSION = "v2"  # plans saved under another version are dropped when the file is next written
+PLAN_VERSION = "v3"  # plans saved under another version are dropped when the file is next written
 # Plans measured in this process, saved or not: two runners of one model then compute alike (same rounding).
 _measured: dict[str, dict[int, str]] = {}
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from blockspec.distributed import TPGroup
 from blockspec.errors import ModelLoadError
-from blockspec.layers.layout import Layout
+from blockspec.layers.layout import Layout, stored_product
 from blockspec.layers.quant import BLOCK, Blocks, QuantType, QuantWeight
 
 # A checkpoint tensor's part this rank loads: (dim, start, length, the tensor's full size along dim).
@@ -164,10 +164,12 @@ class Linear(nn.Module):
             if bias is None:
                 return self.quant.matmul(x, residual)
             out = self.quant.matmul(x) + bias
-        elif self.layout is not None and bias is self.bias and not torch.is_grad_enabled():
-            out = self.layout(x)
-        else:
+        elif torch.is_grad_enabled():
             out = F.linear(x, self.weight, bias)
+        elif self.layout is not None and bias is self.bias:
+            out = self.layout(x)
+        else:  # inference: rows round alike whatever their count (layout.py)
+            out = stored_product(x, self.weight, bias)
         return out if residual is None else residual + out
 
     def forward_shards(self, x: torch.Tensor, first: int) -> torch.Tensor:
@@ -177,4 +179,6 @@ class Linear(nn.Module):
         if self.quant is not None:
             out = self.quant.row_range(start).matmul(x)
             return out if bias is None else out + bias
-        return F.linear(x, self.weight[start:], bias)
+        if torch.is_grad_enabled():
+            return F.linear(x, self.weight[start:], bias)
+        return stored_product(x, self.weight[start:], bias)
