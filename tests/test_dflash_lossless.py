@@ -183,19 +183,20 @@ def max_z(counts: Counter, probs: dict, n: int, min_expected: float = 20.0) -> f
 
 
 def worst_deviation(folder, params, lookup_ngram: int = 0, quantization: str | None = None,
-                    tree: tuple[int, int, str] = (0, 4, "best-first"), merge: str = "auto") -> float:
+                    tree: tuple[int, int, str] = (0, 4, "best-first"), merge: str = "auto",
+                    accept: str = "match") -> float:
     """Sample tokens 2 and 3 (drafted positions 1 and 2 of a block) 8000 times with DFlash and return
     the largest standardised deviation from the exact target distribution. With `lookup_ngram` the prompt
     holds every token id, so every token has a match and the steps verify prompt-lookup blocks (merge
     "always": each merged into the draft's candidates as one tree); `tree` (budget, top-k, rule): the
-    steps verify candidate trees."""
+    steps verify candidate trees; `accept`: the sampled acceptance rule."""
     write_tiny_target(folder / "t", "llama", vocab_size=16, seed=3)
     cfg = ModelConfig.from_folder(folder / "t")
     write_tiny_draft(folder / "d", cfg, block_size=4, mask_token_id=15)
     target = load_target(folder / "t", torch.float32, DEVICE, quantization)
     draft = load_draft(folder / "d", cfg, torch.float32, DEVICE)
     engine = TinyEngine(target, draft, 4, num_slots=64, max_len=32, lookup=(lookup_ngram, 4), tree=tree,
-                        merge=merge)
+                        merge=merge, accept=accept)
     prompt = [(7 * i + 3) % 16 for i in range(16)] if lookup_ngram else [3, 1]
     sp, n = SamplingParams(max_tokens=3, **params), 8000
     seqs = [Sequence(prompt, SamplingParams(max_tokens=3, seed=i, **params), frozenset()) for i in range(n)]
