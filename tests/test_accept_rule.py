@@ -32,7 +32,7 @@ from tests.test_dflash_lossless import max_z, worst_deviation
 V, PENDING, N = 6, 2, 4000
 _gen = torch.Generator().manual_seed(11)
 TARGET = torch.randn(V, V, generator=_gen) * 1.5  # next-token logits given the last token
-DRAFT = torch.randn(V, 8, V, generator=_gen) * 1.5  # the draft's scores at block position i, given the pending
+DRAFT = torch.randn(V, 8, V, generator=_gen) * 1.5  # the draft's block scores per position, given the pending
 
 
 @pytest.fixture(autouse=True)
@@ -198,10 +198,11 @@ def test_greedy_requests_are_unchanged_under_rejection():
     decoder = table_decoder("rejection", 4)
     argmax = table_decoder("match", 4)
     for seed in range(5):
-        assert decode(decoder, dict(temperature=0.0), seed, 8) == decode(argmax, dict(temperature=0.0), seed, 8)
+        greedy = dict(temperature=0.0)
+        assert decode(decoder, greedy, seed, 8) == decode(argmax, greedy, seed, 8)
 
 
-# ---- end to end on the tiny target (as tests/test_dflash_lossless.py builds it) ------------------------------
+# ---- end to end on the tiny target (as tests/test_dflash_lossless.py builds it) ---------------------------
 @pytest.mark.parametrize("kwargs", [dict(params=dict(temperature=1.0)),
                                     dict(params=dict(temperature=0.8, top_k=5), tree=(6, 3, "best-first")),
                                     dict(params=dict(temperature=1.0), lookup_ngram=1, merge="always")])
@@ -212,7 +213,7 @@ def test_sampled_rejection_matches_plain_sampling_on_a_tiny_target(tmp_path, kwa
 
 
 def test_bad_rule_is_refused_by_name():
-    with pytest.raises(BlockspecError, match="^speculative_accept='accept-all' must be one of match, rejection"):
+    with pytest.raises(BlockspecError, match="^speculative_accept='accept-all' must be one of match, rejec"):
         EngineConfig(speculative_accept="accept-all")
     with pytest.raises(BlockspecError, match="^--speculative-accept="), \
             cli_flags({"speculative_accept": "--speculative-accept"}):

@@ -17,6 +17,7 @@ from blockspec.layers.int8_head import Int8ArgmaxHead
 from blockspec.models.config import ModelConfig
 from blockspec.models.loader import load_draft, load_target
 from blockspec.sampling_params import SamplingParams
+from blockspec.speculative.proposal import Proposal
 from blockspec.train.features import causal_batch
 from tests.tiny import (ScriptedGovernor, TinyEngine, tiny_target_with_draft, write_tiny_draft,
                         write_tiny_target)
@@ -120,7 +121,7 @@ def test_draft_vocab_bounds_the_proposals(models, int8_head):
         engine.runner.draft.vocab = None
         del proposer.propose
     assert spec.output_ids == plain.output_ids
-    assert torch.isin(torch.cat(proposed).flatten().cpu(), DRAFT_VOCAB).all()
+    assert torch.isin(torch.cat([p.tokens for p in proposed]).flatten().cpu(), DRAFT_VOCAB).all()
 
 
 @pytest.mark.parametrize("size", BLOCK_SIZES)
@@ -144,13 +145,13 @@ def test_oracle_draft_is_fully_accepted(models, size):
     prompt, params = [7, 8, 9, 10], SamplingParams(max_tokens=50)
     reference = generate(engine, [prompt], params, [], use_draft=False)[0].output_ids
 
-    def oracle(seqs, block_size):
+    def oracle(seqs, block_size, rule="match"):
         rows = []
         for seq in seqs:
             done = len(seq.output_ids)
             future = reference[done : done + block_size - 1]
             rows.append(future + [0] * (block_size - 1 - len(future)))
-        return torch.tensor(rows, device=DEVICE)
+        return Proposal(torch.tensor(rows, device=DEVICE))
 
     engine.dflash.draft.propose = oracle
     try:

@@ -193,11 +193,15 @@ class Decoder:
         if not shape.tree_budget:
             proposal = self.draft.propose(seqs, spec.block_size, spec.accept)
             return [(Tree.chain(row), proposal.drawn(i)) for i, row in enumerate(proposal.tokens.tolist())]
+        temps = temperatures(seqs, spec.accept)
+        if not any(temps):
+            logprobs, ids = self.draft.rank(seqs, spec.block_size, k)
+            return [(build_tree(logp, ranked, shape.tree_budget, spec.tree_rule), {})
+                    for logp, ranked in zip(logprobs.cpu(), ids.cpu())]
         logprobs, ids, proposal = self.draft.sampled_tree_material(seqs, spec.block_size, k, spec.accept)
-        spines = proposal.tokens.cpu().tolist() if proposal is not None else []
+        spines = proposal.tokens.cpu().tolist()
         out = []
-        for row, (temp, logp, ranked) in enumerate(zip(temperatures(seqs, spec.accept), logprobs.cpu(),
-                                                       ids.cpu())):
+        for row, (temp, logp, ranked) in enumerate(zip(temps, logprobs.cpu(), ids.cpu())):
             if not temp:
                 out.append((build_tree(logp[:, :k], ranked[:, :k], shape.tree_budget, spec.tree_rule), {}))
                 continue

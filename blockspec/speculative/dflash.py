@@ -48,16 +48,13 @@ class DFlashProposer:
         return sample_ranked(logprobs, ids, temps, uniforms, self.runner.device)
 
     def sampled_tree_material(self, seqs: list[Sequence], block_size: int, k: int,
-                              rule: AcceptRule) -> tuple[torch.Tensor, torch.Tensor, Proposal | None]:
-        """One draft pass for trees: each position's best tokens (as `rank`: k, or as many as a sampled
-        proposal's candidates if more) and, where a row samples under "rejection", the sampled proposal
-        (its chain becomes the tree's spine: `tree.with_spine`), else None."""
+                              rule: AcceptRule) -> tuple[torch.Tensor, torch.Tensor, Proposal]:
+        """One draft pass for trees where rows sample under "rejection": each position's best tokens (as
+        `rank`: k, or as many as a sampled proposal's candidates if more) and the sampled proposal (a
+        sampled row's chain becomes its tree's spine: `tree.with_spine`)."""
         block = self.block(seqs, block_size)
         temps = temperatures(seqs, rule)
-        width = max(k, self.proposal_topk) if any(temps) else k
-        logprobs, ids = self.runner.draft_ranking(seqs, block, width)
-        if not any(temps):
-            return logprobs, ids, None
+        logprobs, ids = self.runner.draft_ranking(seqs, block, max(k, self.proposal_topk))
         top = self.proposal_topk
         proposal = sample_ranked(logprobs[..., :top], ids[..., :top], temps,
                                  proposal_uniforms(seqs, block_size - 1), self.runner.device)
