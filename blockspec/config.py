@@ -27,6 +27,7 @@ MAX_SLOTS = 4096  # requests decoded together: each holds a KV slot
 MAX_THREADS = 1024
 TREE_RULES = ("best-first", "spine-first")
 MERGE_RULES = ("auto", "always", "never")
+ACCEPT_RULES = ("match", "rejection")  # sampled acceptance (speculative/rejection.py)
 # Integer settings: (lowest, highest, what the value means); None is allowed for those in OPTIONAL.
 RANGES = {
     "block_size": (2, MAX_BLOCK_SIZE, " (the pending token plus the drafted ones), or unset for the draft's "
@@ -90,6 +91,9 @@ class EngineConfig:
     speculative_tree_budget: int = 0  # candidate trees of this many nodes (0: the draft's chain only)
     speculative_tree_topk: int = 4  # a tree's tokens per block position, at most
     speculative_tree_rule: str = "best-first"  # or "spine-first": the draft's chain, then the best others
+    # sampled requests: "match" (a draft token kept with probability p; seeds give plain decoding's tokens)
+    # or "rejection" (the draft samples, kept with min(1, p/q); the target's distribution, other tokens)
+    speculative_accept: str = "match"
     threads: int | None = None  # torch intra-op CPU threads (None: torch's choice; under TP on the CPU:
     # the cores shared out among this machine's ranks)
     tp_size: int = 1  # tensor-parallel ranks (blockspec/distributed.py)
@@ -167,6 +171,9 @@ class EngineConfig:
         if self.speculative_tree_rule not in TREE_RULES:
             raise BlockspecError(f"{setting('speculative_tree_rule')}={self.speculative_tree_rule!r:.80} "
                                  f"must be one of {', '.join(TREE_RULES)}.")
+        if self.speculative_accept not in ACCEPT_RULES:
+            raise BlockspecError(f"{setting('speculative_accept')}={self.speculative_accept!r:.80} "
+                                 f"must be one of {', '.join(ACCEPT_RULES)}.")
         if self.prompt_lookup_merge not in MERGE_RULES:
             raise BlockspecError(f"{setting('prompt_lookup_merge')}={self.prompt_lookup_merge!r:.80} "
                                  f"must be one of {', '.join(MERGE_RULES)}.")
@@ -261,6 +268,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-tree-rule", choices=list(TREE_RULES), default="best-first",
                    help="best-first: the N most probable prefixes; spine-first: the draft's chain first "
                         "(never accepts less than it), then the most probable others (default best-first)")
+    g.add_argument("--speculative-accept", choices=list(ACCEPT_RULES), default="match",
+                   help="how sampled requests judge the draft: match (the draft proposes its argmax, kept "
+                        "with probability p; a seed gives plain decoding's exact tokens) or rejection (the "
+                        "draft samples from its distribution q, kept with probability min(1, p/q), else a "
+                        "draw from the residual; the same distribution, other tokens; default match)")
     g.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="context length in tokens (default: the target's, at most 4096)")
     g.add_argument("--threads", type=int, default=None, metavar="N",

@@ -120,6 +120,7 @@ MODEL = {
     "--prompt-lookup-block-size": ints(2, 64), "--prompt-lookup-merge": words("auto", "always", "never"),
     "--speculative-tree-budget": ints(0, 64),
     "--speculative-tree-topk": ints(1, 64), "--speculative-tree-rule": words("best-first", "spine-first"),
+    "--speculative-accept": words("match", "rejection"),
     "--max-model-len": ints(1, 512), "--threads": ints(1, 1024), "--tp-size": ints(1, 2),
     "--tp-backend": words("auto", "gloo", "nccl"), "--speculative-dflash-mask-token": NOT_A_TOKEN,
 }

@@ -127,7 +127,8 @@ def test_candidates_lattice_and_walk_equal_their_formulas():
             order = sorted(subset.tolist(), key=lambda v: -float(logits[r, i, v]))[:k]
             assert sub_cand[r, i].tolist() == order
             want = [math.tanh(0.6 * float(logits[r, i, v]) / 3.0) * 3.0 for v in order]
-            assert torch.allclose(sub_unary[r, i].double(), torch.tensor(want, dtype=torch.float64), atol=1e-5)
+            want = torch.tensor(want, dtype=torch.float64)
+            assert torch.allclose(sub_unary[r, i].double(), want, atol=1e-5)
     selector = CandidateSelector(h, rank, vocab)
     selector.init_random(gen(2), std=0.7)
     anchor = torch.randint(0, vocab, (b,), generator=gen(3))

@@ -15,8 +15,11 @@ from blockspec.engine.sampler import filtered_probs
 from blockspec.engine.sequence import Sequence
 from blockspec.layers.int8_head import Int8ArgmaxHead
 from blockspec.models.config import ModelConfig
+from blockspec.models.dflash2 import dflash2_from
+from blockspec.models.dflash2_config import Dflash2Config
 from blockspec.models.loader import load_draft, load_target
 from blockspec.sampling_params import SamplingParams
+from blockspec.speculative.proposal import Proposal
 from blockspec.train.features import causal_batch
 from tests.tiny import (ScriptedGovernor, TinyEngine, tiny_target_with_draft, write_tiny_draft,
                         write_tiny_target)
@@ -120,7 +123,7 @@ def test_draft_vocab_bounds_the_proposals(models, int8_head):
         engine.runner.draft.vocab = None
         del proposer.propose
     assert spec.output_ids == plain.output_ids
-    assert torch.isin(torch.cat(proposed).flatten().cpu(), DRAFT_VOCAB).all()
+    assert torch.isin(torch.cat([p.tokens for p in proposed]).flatten().cpu(), DRAFT_VOCAB).all()
 
 
 @pytest.mark.parametrize("size", BLOCK_SIZES)
@@ -144,13 +147,13 @@ def test_oracle_draft_is_fully_accepted(models, size):
     prompt, params = [7, 8, 9, 10], SamplingParams(max_tokens=50)
     reference = generate(engine, [prompt], params, [], use_draft=False)[0].output_ids
 
-    def oracle(seqs, block_size):
+    def oracle(seqs, block_size, rule="match"):
         rows = []
         for seq in seqs:
             done = len(seq.output_ids)
             future = reference[done : done + block_size - 1]
             rows.append(future + [0] * (block_size - 1 - len(future)))
-        return torch.tensor(rows, device=DEVICE)
+        return Proposal(torch.tensor(rows, device=DEVICE))
 
     engine.dflash.draft.propose = oracle
     try:
@@ -183,19 +186,24 @@ def max_z(counts: Counter, probs: dict, n: int, min_expected: float = 20.0) -> f
 
 
 def worst_deviation(folder, params, lookup_ngram: int = 0, quantization: str | None = None,
-                    tree: tuple[int, int, str] = (0, 4, "best-first"), merge: str = "auto") -> float:
+                    tree: tuple[int, int, str] = (0, 4, "best-first"), merge: str = "auto",
+                    accept: str = "match", dflash2: bool = False) -> float:
     """Sample tokens 2 and 3 (drafted positions 1 and 2 of a block) 8000 times with DFlash and return
     the largest standardised deviation from the exact target distribution. With `lookup_ngram` the prompt
     holds every token id, so every token has a match and the steps verify prompt-lookup blocks (merge
     "always": each merged into the draft's candidates as one tree); `tree` (budget, top-k, rule): the
-    steps verify candidate trees."""
+    steps verify candidate trees; `accept`: the sampled acceptance rule; `dflash2`: the draft as a DFlash2 one
+    (identity convolutions, a random selector over its 8 best tokens per position)."""
     write_tiny_target(folder / "t", "llama", vocab_size=16, seed=3)
     cfg = ModelConfig.from_folder(folder / "t")
     write_tiny_draft(folder / "d", cfg, block_size=4, mask_token_id=15)
     target = load_target(folder / "t", torch.float32, DEVICE, quantization)
     draft = load_draft(folder / "d", cfg, torch.float32, DEVICE)
+    if dflash2:
+        selector = Dflash2Config(2, 16, 16, 8, cfg.vocab_size)
+        draft = dflash2_from(draft, selector, torch.Generator().manual_seed(0), std=0.5)
     engine = TinyEngine(target, draft, 4, num_slots=64, max_len=32, lookup=(lookup_ngram, 4), tree=tree,
-                        merge=merge)
+                        merge=merge, accept=accept)
     prompt = [(7 * i + 3) % 16 for i in range(16)] if lookup_ngram else [3, 1]
     sp, n = SamplingParams(max_tokens=3, **params), 8000
     seqs = [Sequence(prompt, SamplingParams(max_tokens=3, seed=i, **params), frozenset()) for i in range(n)]

@@ -17,6 +17,7 @@ from blockspec.errors import BlockspecError, cli_flags
 from blockspec.models.loader import load_draft
 from blockspec.sampling_params import SamplingParams
 from blockspec.speculative.merge import MergedTree
+from blockspec.speculative.proposal import Proposal
 from blockspec.speculative.tree import Tree, build_tree
 from tests.test_dflash_lossless import worst_deviation
 from tests.tiny import ScriptedGovernor, TinyEngine, tiny_target_with_draft
@@ -150,7 +151,7 @@ def test_the_step_keeps_whichever_branch_the_target_agrees_with(engine, monkeypa
                         lambda seqs, ngram, n: continuation(seqs, n, copy_shift))
     proposer = engine.dflash.draft
     monkeypatch.setattr(proposer, "propose",
-                        lambda seqs, b: torch.tensor(continuation(seqs, b - 1, draft_shift)))
+                        lambda seqs, b, rule: Proposal(torch.tensor(continuation(seqs, b - 1, draft_shift))))
     seq = engine.run([Sequence(PROMPTS[1], SamplingParams(max_tokens=40), frozenset())], True)[0]
     assert seq.output_ids == reference
     full = width if right == "copy" else size
@@ -175,7 +176,7 @@ def test_distribution_check_catches_trying_the_copy_first_without_a_residual(tmp
     itself (not from p with that token removed), gives that token too often."""
     import blockspec.speculative.accept as accept_module
 
-    def biased(seq, tree, node, output, depth):
+    def biased(seq, tree, node, output, depth, drawn=None):
         probs = filtered_probs(output.unsqueeze(0), seq.params).cpu()
         position = seq.next_position + depth
         if tree.children[node]:

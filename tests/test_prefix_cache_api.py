@@ -149,7 +149,7 @@ def test_usage_reports_cached_tokens(server, reference):
         assert name in text, name
     assert "# TYPE blockspec_prefix_cache_hit_tokens_total counter" in text
     assert ('blockspec_engine_info{device="cpu",quantization="q4_1",cpu_activations="int8",'
-            'draft_quantization="q8_0"} 1') in text
+            'draft_quantization="q8_0",speculative_accept="match"} 1') in text
     hits = counter(server, "blockspec_prefix_cache_hit_tokens_total")
     assert hits >= two.usage.prompt_tokens_details.cached_tokens + usage.prompt_tokens_details.cached_tokens
     assert 0 < counter(server, "blockspec_prefix_cache_hit_rate") < 1

@@ -16,6 +16,7 @@ from blockspec.engine.sequence import Sequence
 from blockspec.models.config import ModelConfig
 from blockspec.models.loader import load_draft, load_target
 from blockspec.sampling_params import SamplingParams
+from blockspec.speculative.proposal import Proposal
 from blockspec.train.features import causal_batch
 from tests.test_dflash_lossless import max_z
 from tests.tiny import ScriptedGovernor, TinyEngine, write_tiny_draft, write_tiny_target
@@ -133,11 +134,11 @@ def oracle_proposer(target, prompt: list[int], params: SamplingParams):
             prefix += (out[-1],)
         return out
 
-    def propose(seqs, block_size):
-        return torch.tensor([chain(seq, block_size - 1) for seq in seqs])
+    def propose(seqs, block_size, rule="match"):
+        return Proposal(torch.tensor([chain(seq, block_size - 1) for seq in seqs]))
 
     def rank(seqs, block_size, k):
-        first = propose(seqs, block_size)
+        first = propose(seqs, block_size).tokens
         ids = torch.stack([(first + i) % 16 for i in range(k)], dim=-1)
         logprobs = torch.tensor([-0.1 - 2.0 * i for i in range(k)]).expand_as(ids).clone()
         return logprobs, ids

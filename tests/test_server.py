@@ -327,7 +327,7 @@ def test_metrics_exposition(server, client):
                  "blockspec_preemptions_total "):
         assert name in text, name
     assert ('blockspec_engine_info{device="cpu",quantization="none",cpu_activations="none",'
-            'draft_quantization="none"} 1') in text
+            'draft_quantization="none",speculative_accept="match"} 1') in text
 
 
 def test_serve_cli_errors(capsys):

@@ -146,7 +146,7 @@ def test_distribution_check_catches_the_min_p_over_q_rule_on_top_k_marginals(tmp
     otherwise drawing the bonus from p, is biased (the tokens a tree holds come out too often)."""
     import blockspec.speculative.accept as accept_module
 
-    def biased(seq, tree, node, output, depth):
+    def biased(seq, tree, node, output, depth, drawn=None):
         probs = filtered_probs(output.unsqueeze(0), seq.params).cpu()
         position = seq.next_position + depth
         for token, child in tree.children[node].items():

@@ -146,12 +146,12 @@ class TinyEngine:
     def __init__(self, target, draft, block_size: int, num_slots: int, max_len: int,
                  lookup: tuple[int, int] = (0, 0), governor=None, tree: tuple[int, int, str] = (0, 4,
                                                                                    "best-first"),
-                 prefix_caching: bool = False, merge: str = "auto") -> None:
+                 prefix_caching: bool = False, merge: str = "auto", accept: str = "match") -> None:
         from blockspec.engine.runner import ModelRunner
         from blockspec.speculative.decoder import Decoder
         from blockspec.speculative.plan import Speculation
 
-        self.speculation = Speculation(block_size, draft.config.mask_token_id, *lookup, *tree, merge)
+        self.speculation = Speculation(block_size, draft.config.mask_token_id, *lookup, *tree, merge, accept)
         self.runner = ModelRunner(target, draft, num_slots, max_len, self.speculation.row_counts,
                                   prefix_caching=prefix_caching)
         self.dflash = Decoder(self.runner, self.speculation, governor)

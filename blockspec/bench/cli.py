@@ -222,6 +222,7 @@ def run_bench_command(args: argparse.Namespace) -> None:
         "prompt_lookup_merge": lookup.merge if lookup else None,
         "speculative_tree_topk": llm.speculation.tree_topk if has_draft else None,
         "speculative_tree_rule": llm.speculation.tree_rule if has_draft else None,
+        "speculative_accept": llm.speculation.accept if has_draft else None,
         "notes": notes, "machine": machine_info(llm.device, llm.dtype),
         "command": command_line(),
         "date": now_utc(),

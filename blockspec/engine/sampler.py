@@ -4,7 +4,9 @@ A sampled token is drawn by inverse CDF with one uniform that depends only on th
 token's absolute position (`uniform`). Whatever path reaches a position (a plain step, a DFlash block,
 a prompt-lookup copy, a recomputation after preemption) and whatever the batch, the block size, the
 thread count or the device, the draw there is the same: a seed reproduces its tokens up to the logits'
-rounding, and DFlash's sampled output equals plain sampled decoding token for token (accept.py).
+rounding, and DFlash's sampled output under the "match" rule equals plain sampled decoding token for token
+(accept.py). The "rejection" rule (rejection.py) draws more than one number at a position: each draw has
+its own stream (`PROPOSAL`, `ACCEPT`, `RESIDUAL`), keyed by (seed, position, stream, index) alike.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ from blockspec.errors import RequestError
 from blockspec.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+# Independent streams of keyed uniforms at one position: the target's own draw (plain decoding's, and the
+# bonus), a sampled proposal, a candidate's accept test (index: its place among its siblings), and the draw
+# from the residual after a rejection.
+TARGET, PROPOSAL, ACCEPT, RESIDUAL = 0, 1, 2, 3
 
 
 class SamplingError(RequestError):
@@ -42,9 +48,13 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def uniform(seed: int, position: int) -> float:
-    """A uniform number in [0, 1) keyed by (seed, position) alone: counter-based, no generator state."""
-    return (_mix64(_mix64(seed & _MASK64) ^ (position & _MASK64)) >> 11) * 2.0**-53
+def uniform(seed: int, position: int, stream: int = TARGET, index: int = 0) -> float:
+    """A uniform number in [0, 1) keyed by (seed, position, stream, index) alone: counter-based, no
+    generator state. The target stream's first number is the one plain decoding draws."""
+    x = _mix64(_mix64(seed & _MASK64) ^ (position & _MASK64))
+    if stream or index:
+        x = _mix64(x ^ ((stream << 32) | index))
+    return (x >> 11) * 2.0**-53
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -74,16 +84,18 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return filtered / filtered.sum(dim=-1, keepdim=True)
 
 
-def draw(probs: torch.Tensor, seed: int, first_position: int) -> list[int]:
+def draw(probs: torch.Tensor, seed: int, first_position: int, stream: int = TARGET) -> list[int]:
     """One token per row of probs [n, V], row i drawn at absolute position first_position + i with that
-    position's keyed uniform, by inverse CDF in float64 on the CPU (so every device draws alike). A token
-    of probability 0 is never drawn. Raises SamplingError for a row that is not a distribution."""
+    position's keyed uniform (of `stream`), by inverse CDF in float64 on the CPU (so every device draws
+    alike). A token of probability 0 is never drawn. Raises SamplingError for a row that is not a
+    distribution."""
     cdf = probs.detach().to("cpu", torch.float64).cumsum(dim=-1)
     total = cdf[:, -1]
     if not bool(torch.isfinite(total).all()) or bool((total <= 0).any()):
         raise SamplingError("The target's next-token distribution is not finite (the model produced NaN or "
                             "infinite logits); the request cannot be sampled.")
-    u = torch.tensor([uniform(seed, first_position + i) for i in range(cdf.shape[0])], dtype=torch.float64)
+    u = torch.tensor([uniform(seed, first_position + i, stream) for i in range(cdf.shape[0])],
+                     dtype=torch.float64)
     tokens = torch.searchsorted(cdf, (u * total).unsqueeze(-1), right=True).squeeze(-1)
     # u * total may round up to total: then the last token of non-zero probability (where cdf reaches it)
     last = torch.searchsorted(cdf, total.unsqueeze(-1).contiguous()).squeeze(-1)

@@ -85,8 +85,8 @@ def check_draft_tensors(cfg: DraftConfig, shapes: dict[str, Any], source: str, *
         top_k = cfg.dflash2.selector_top_k
         if DRAFT_VOCAB in got and got[DRAFT_VOCAB][:1] < (top_k,):
             raise DraftConfigError(
-                f"DFLASH {source}: dflash_config.selector_top_k={top_k} is larger than the draft's vocabulary "
-                f"({DRAFT_VOCAB} holds {got[DRAFT_VOCAB][0]} ids); the selector picks among its "
+                f"DFLASH {source}: dflash_config.selector_top_k={top_k} is larger than the draft's "
+                f"vocabulary ({DRAFT_VOCAB} holds {got[DRAFT_VOCAB][0]} ids); the selector picks among its "
                 f"top-K. Use selector_top_k <= that, or drop {DRAFT_VOCAB}.")
         check_dflash2_tensors(cfg.dflash2, h, cfg.num_hidden_layers, got, source)
     missing = [n for n in want if n not in got]

@@ -45,10 +45,11 @@ TOKENIZE_CONCURRENCY = 2  # prompts tokenized at once (each on a worker thread);
 
 def engine_info(llm) -> dict[str, str]:
     """The labels of blockspec_engine_info: weight blocks ("none": dense), and on the CPU how block weights
-    meet activations ("int8" or "fp32")."""
+    meet activations ("int8" or "fp32"), and how sampled requests judge the draft ("none" without one)."""
     return {"device": str(llm.device), "quantization": llm.weight_blocks or "none",
             "cpu_activations": llm.activations if llm.weight_blocks else "none",
-            "draft_quantization": llm.draft_blocks or "none"}
+            "draft_quantization": llm.draft_blocks or "none",
+            "speculative_accept": llm.speculation.accept if llm.speculation is not None else "none"}
 
 
 def create_app(llm, api_key: str | None = None, served_model_name: str | None = None,

@@ -119,7 +119,7 @@ class Metrics:
     def render(self) -> str:
         with self._lock:
             labels = ",".join(f'{key}="{value}"' for key, value in self.info.items())
-            lines = ["# HELP blockspec_engine_info How the engine holds weights and meets activations",
+            lines = ["# HELP blockspec_engine_info How the engine holds weights and judges samples",
                      "# TYPE blockspec_engine_info gauge", f"blockspec_engine_info{{{labels}}} 1",
                      "# HELP blockspec_requests_total Finished requests by finish reason",
                      "# TYPE blockspec_requests_total counter"]

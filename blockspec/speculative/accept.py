@@ -1,9 +1,12 @@
 """Acceptance: how many candidate tokens the target keeps, and its own token that follows (the bonus).
 
-Both rules are lossless. A row verified [pending, d1 .. d_n]; target output i scores position i+1.
+Greedy and sampled acceptance are lossless. A row verified [pending, d1 .. d_n]; target output i scores
+position i+1. Sampled requests follow the engine's rule: "match" (below) or "rejection" (rejection.py:
+speculative sampling, a sampled draft's tokens judged against the distribution they were drawn from; the
+target's distribution again, but not plain decoding's exact tokens).
 
-Sampled requests use "sample, then match": at each verified position the target's own token is drawn
-from its (temperature / top-k / top-p) distribution with that position's keyed uniform
+Under "match", sampled requests use "sample, then match": at each verified position the target's own token
+is drawn from its (temperature / top-k / top-p) distribution with that position's keyed uniform
 (sampler.draw); a candidate is kept while it equals the drawn token, and the first drawn token that
 differs (or the one after the last candidate) is the bonus. Every committed token is thus exactly
 the token plain sampled decoding draws at that position with the same seed, so the output has the
@@ -30,6 +33,8 @@ from blockspec.engine.runner import guarded
 from blockspec.engine.sampler import draw, filtered_probs, penalized
 from blockspec.engine.sequence import Sequence
 from blockspec.sampling_params import SamplingParams
+from blockspec.speculative.proposal import AcceptRule, Drawn
+from blockspec.speculative.rejection import judge, rejection_chain, stages
 from blockspec.speculative.tree import Tree
 
 # A row's accepted nodes, its bonus, and for a request that needs logits the target's logits at the root and
@@ -37,15 +42,19 @@ from blockspec.speculative.tree import Tree
 Outcome = tuple[list[int], int, torch.Tensor | None]
 
 
-def accept(seq: Sequence, candidates: torch.Tensor, host_candidates: torch.Tensor,
-           target: torch.Tensor) -> tuple[int, int]:
-    """(accepted count, bonus) for one row's n candidates (on the device and on the CPU) and the target's
-    n + 1 outputs there (greedy token ids, or fp32 logits for a request that `needs_logits`)."""
+def accept(seq: Sequence, host_candidates: torch.Tensor, target: torch.Tensor, rule: AcceptRule = "match",
+           drawn: dict[int, Drawn] | None = None) -> tuple[int, int]:
+    """(accepted count, bonus) for one row's n candidates (on the CPU) and the target's n + 1 outputs there
+    (greedy token ids, or fp32 logits for a request that `needs_logits`). `drawn`: the candidates that were
+    sampled (node i + 1 for candidate i) and their distributions, for the rejection rule."""
     if not seq.needs_logits:
         return greedy_accept(host_candidates, target)
     rows = penalized(target, seq.params, seq.output_ids, host_candidates.tolist())
     if seq.params.greedy:
         return greedy_accept(host_candidates, rows.argmax(dim=-1).cpu())
+    if rule == "rejection":
+        return rejection_chain(host_candidates.tolist(), drawn or {}, filtered_probs(rows, seq.params),
+                               seq.seed, seq.next_position)
     return sampled_accept(host_candidates, rows, seq.params, seq.seed, seq.next_position)
 
 
@@ -72,14 +81,16 @@ def sampled_accept(drafts: torch.Tensor, target_logits: torch.Tensor, params: Sa
 
 
 def accept_trees(seqs: list[Sequence], trees: list[Tree],
-                 outputs: Callable[[list[tuple[int, int]]], list[torch.Tensor]]) -> list[Outcome | None]:
+                 outputs: Callable[[list[tuple[int, int]]], list[torch.Tensor]], rule: AcceptRule = "match",
+                 drawn: list[dict[int, Drawn]] | None = None) -> list[Outcome | None]:
     """Per row, (its accepted nodes, root to leaf, the bonus, the logits that chose them), or None where the
     row failed
     (`runner.guarded`). `outputs(wanted)` gives the target's outputs (greedy token ids, or fp32 logits [V]
     for a sampled request) at (row, node) pairs. They are asked for only where the walks go, as an LM head
     over every node of a large tree costs more than the rest of the step: each round, for every row still
     walking at a node without its output, that node and the draft's most probable descent from it (one
-    round where the target follows the draft)."""
+    round where the target follows the draft). `rule`, `drawn` (per row, its sampled nodes): as `accept`."""
+    drawn = drawn or [{} for _ in trees]
     known: list[dict[int, torch.Tensor]] = [{} for _ in trees]
     walks: dict[int, tuple[int, list[int]]] = {row: (0, []) for row in range(len(trees))}  # (node, path)
     results: list[Outcome | None] = [None] * len(trees)
@@ -89,7 +100,8 @@ def accept_trees(seqs: list[Sequence], trees: list[Tree],
         for (row, node), out in zip(wanted, outputs(wanted)):
             known[row][node] = out
         for row, (at, path) in list(walks.items()):
-            step = guarded(seqs[row], lambda: walk(seqs[row], trees[row], at, path, known[row]))
+            step = guarded(seqs[row], lambda: walk(seqs[row], trees[row], at, path, known[row],
+                                                   drawn[row] if rule == "rejection" else None))
             if step is None or step[2] is not None:  # failed, or ended with its bonus
                 if step is not None:
                     logits = (torch.stack([known[row][node] for node in [0, *step[1]]])
@@ -101,12 +113,12 @@ def accept_trees(seqs: list[Sequence], trees: list[Tree],
     return results
 
 
-def walk(seq: Sequence, tree: Tree, node: int, path: list[int],
-         known: dict[int, torch.Tensor]) -> tuple[int, list[int], int | None]:
+def walk(seq: Sequence, tree: Tree, node: int, path: list[int], known: dict[int, torch.Tensor],
+         drawn: dict[int, Drawn] | None = None) -> tuple[int, list[int], int | None]:
     """Walk on from `node` while the target's outputs are known: (where it stopped, the path so far, and the
-    bonus if it ended)."""
+    bonus if it ended). `drawn` given: by the rejection rule, with these sampled nodes."""
     while node in known:
-        child, token = descend(seq, tree, node, known[node], len(path))
+        child, token = descend(seq, tree, node, known[node], len(path), drawn)
         if child is None:
             return node, path, token
         path = path + [child]
@@ -114,9 +126,11 @@ def walk(seq: Sequence, tree: Tree, node: int, path: list[int],
     return node, path, None
 
 
-def descend(seq: Sequence, tree: Tree, node: int, output: torch.Tensor, depth: int) -> tuple[int | None, int]:
+def descend(seq: Sequence, tree: Tree, node: int, output: torch.Tensor, depth: int,
+            drawn: dict[int, Drawn] | None = None) -> tuple[int | None, int]:
     """(the child holding the target's token at a node of this depth, or None, and that token): the
-    target's greedy choice, or its keyed draw at that position."""
+    target's greedy choice, or its keyed draw at that position, or (`drawn` given) the child the
+    rejection rule keeps and else its draw from the residual."""
     if not seq.needs_logits:
         token = int(output)
     else:
@@ -124,6 +138,11 @@ def descend(seq: Sequence, tree: Tree, node: int, output: torch.Tensor, depth: i
         row = penalized(output.unsqueeze(0), seq.params, seq.output_ids + ancestors, [])
         if seq.params.greedy:
             token = int(row[0].argmax())
+        elif drawn is not None:
+            judged = stages(tree.children[node], tree.tokens, drawn)
+            kept, token = judge(filtered_probs(row, seq.params)[0], [stage for _, stage in judged], seq.seed,
+                                seq.next_position + depth)
+            return (None if kept is None else judged[kept][0]), token
         else:
             token = draw(filtered_probs(row, seq.params), seq.seed, seq.next_position + depth)[0]
     return tree.children[node].get(token), token

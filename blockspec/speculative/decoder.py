@@ -3,7 +3,8 @@
 Every step verifies, per row, its pending token plus some candidates in one causal pass of the target:
 none (a plain step), the DFlash draft's block, a continuation copied from the row's own context (prompt
 lookup), or the two together as one tree (merge.py). Acceptance keeps the longest run of candidates the
-target agrees with (greedy) or would have sampled (sampled, lossless), and the target's own next token
+target agrees with (greedy) or would have sampled (sampled, lossless: "match"), or judges sampled
+proposals against their proposal distributions ("rejection", rejection.py), and the target's own next token
 follows it. So whatever the plan, the output is exactly the target's; plans differ only in how many tokens
 a step commits and what the step costs, which is all the governor weighs.
 """
@@ -23,8 +24,12 @@ from blockspec.speculative.governor import SpecGovernor
 from blockspec.speculative.lookup import lookups
 from blockspec.speculative.merge import MergedTree
 from blockspec.speculative.plan import DraftShape, Speculation, StepPlan, choose_plan
+from blockspec.speculative.proposal import AcceptRule, Drawn, temperatures
 from blockspec.speculative.selector_tree import selector_tree
-from blockspec.speculative.tree import Tree, build_tree
+from blockspec.speculative.tree import Tree, build_tree, with_spine
+
+# a step's candidates, its trees, its merged rows and per row its sampled nodes (Decoder.propose)
+Candidates = tuple[torch.Tensor, list[Tree] | None, dict[int, MergedTree], list[dict[int, Drawn]]]
 
 
 class Decoder:
@@ -82,7 +87,8 @@ class Decoder:
         #    row: this step's features go straight in.
         if plan.drafts:
             self.draft.catch_up(seqs)
-        candidates, trees, merged = self.propose(seqs, plan)
+        candidates, trees, merged, drawn = self.propose(seqs, plan)
+        rule = self.speculation.accept if self.speculation is not None else "match"
 
         # 2. Verify: one target pass over [pending, candidates...] per row (trees: each node seeing its
         #    ancestors).
@@ -96,15 +102,14 @@ class Decoder:
         host = candidates.cpu()
         if trees is None:
             targets = runner.target_choices(seqs, hidden)
-            outcomes = [guarded(seq, lambda: accept_chain(seq, candidates[row, :n], host[row, :n],
-                                                          targets[row]))
+            outcomes = [guarded(seq, lambda: accept_chain(seq, host[row, :n], targets[row], rule, drawn[row]))
                         for row, (seq, n) in enumerate(zip(seqs, plan.judged))]
         else:
             def outputs(wanted: list[tuple[int, int]]) -> list[torch.Tensor]:
                 rows, nodes = [row for row, _ in wanted], [node for _, node in wanted]
                 return runner.target_choices([seqs[row] for row in rows], hidden[rows, nodes])
 
-            outcomes = accept_trees(seqs, trees, outputs)
+            outcomes = accept_trees(seqs, trees, outputs, rule, drawn)
 
         # 4. Commit: the accepted tokens and the bonus; the cache keeps exactly them (rows past the new
         #    length are scratch; a tree's accepted nodes move to consecutive rows first). The draft takes
@@ -134,67 +139,105 @@ class Decoder:
             self.draft.catch_up(seqs)
         return alone
 
-    def propose(self, seqs: list[Sequence],
-                plan: StepPlan) -> tuple[torch.Tensor, list[Tree] | None, dict[int, MergedTree]]:
+    def propose(self, seqs: list[Sequence], plan: StepPlan) -> Candidates:
         """Candidates [b, width - 1]: the draft's block (or a tree's nodes) for drafted rows, the copy for
         lookup rows, padded with the mask token where a row has fewer than the step's width; with trees, each
-        row's tree (a copy is a chain, a plain row an empty tree) and each merged row's MergedTree."""
+        row's tree (a copy is a chain, a plain row an empty tree) and each merged row's MergedTree; per row,
+        its sampled nodes and their distributions (for the rejection rule; chains: candidate i is node
+        i + 1)."""
         spec, device = self.speculation, self.runner.device
         drafted = [row for row, source in enumerate(plan.sources) if source in ("draft", "merged")]
         if plan.trees:
             return self.propose_trees(seqs, plan, drafted)
         if plan.kind == "dflash":
-            return self.draft.propose(seqs, spec.block_size), None, {}
+            proposal = self.draft.propose(seqs, spec.block_size, spec.accept)
+            return proposal.tokens, None, {}, [proposal.drawn(row) for row in range(len(seqs))]
         pad = spec.mask_token_id if spec else 0
         candidates = torch.full((len(seqs), plan.width - 1), pad, device=device)
+        drawn: list[dict[int, Drawn]] = [{} for _ in seqs]
         if drafted:
-            candidates[drafted, : spec.block_size - 1] = self.draft.propose([seqs[r] for r in drafted],
-                                                                             spec.block_size)
+            proposal = self.draft.propose([seqs[r] for r in drafted], spec.block_size, spec.accept)
+            candidates[drafted, : spec.block_size - 1] = proposal.tokens
+            for i, row in enumerate(drafted):
+                drawn[row] = proposal.drawn(i)
         for row, copy in enumerate(plan.copies):
             if copy:
                 candidates[row, : len(copy)] = torch.tensor(copy, device=device)
-        return candidates, None, {}
+        return candidates, None, {}, drawn
 
-    def propose_trees(self, seqs: list[Sequence], plan: StepPlan,
-                      drafted: list[int]) -> tuple[torch.Tensor, list[Tree], dict[int, MergedTree]]:
+    def propose_trees(self, seqs: list[Sequence], plan: StepPlan, drafted: list[int]) -> Candidates:
         """Each drafted row's tree (draft_trees); a copy is a chain; a merged row's copy joins its draft's
         tree. The candidates are as wide as the largest tree (a merged tree is narrower than the plan's
         bound where its copy and its draft agree)."""
         spec = self.speculation
         trees = [Tree.chain(list(copy)) for copy in plan.copies]
-        for row, tree in zip(drafted, self.draft_trees([seqs[r] for r in drafted], plan.shape)):
-            trees[row] = tree
+        drawn: list[dict[int, Drawn]] = [{} for _ in seqs]
+        for row, (tree, nodes) in zip(drafted, self.draft_trees([seqs[r] for r in drafted], plan.shape)):
+            trees[row], drawn[row] = tree, nodes
         merged = {row: MergedTree.of(trees[row], list(plan.copies[row]))
                   for row, source in enumerate(plan.sources) if source == "merged"}
         for row, tree in merged.items():
             trees[row] = tree.tree
+            drawn[row] = {tree.placed[node - 1]: dist for node, dist in drawn[row].items()}
         width = max(tree.size for tree in trees)
         rows = [list(tree.tokens) + [spec.mask_token_id] * (width - tree.size) for tree in trees]
-        return torch.tensor(rows, device=self.runner.device), trees, merged
+        return torch.tensor(rows, device=self.runner.device), trees, merged, drawn
 
-    def draft_trees(self, seqs: list[Sequence], shape: DraftShape) -> list[Tree]:
-        """The draft's candidates per row as a tree: from its top-k per position (tree.py) or, for a DFlash2
-        draft, a beam over its selector's lattice (selector_tree.py); or its chain where the shape is one
-        (a merged step's draft side)."""
-        spec = self.speculation
+    def draft_trees(self, seqs: list[Sequence], shape: DraftShape) -> list[tuple[Tree, dict[int, Drawn]]]:
+        """The draft's candidates per row as a tree, with its sampled nodes: from its top-k per position
+        (tree.py) or a DFlash2 draft's selector (`selector_trees`), or its chain where the shape is one (a
+        merged step's draft side). Under "rejection" a
+        sampled row's tree is built spine-first on its sampled chain (rejection.py: the other nodes are
+        deterministic proposals)."""
+        spec, k = self.speculation, self.speculation.tree_topk
         if not seqs:
             return []
         if not shape.tree_budget:
-            return [Tree.chain(row) for row in self.draft.propose(seqs, spec.block_size).tolist()]
+            proposal = self.draft.propose(seqs, spec.block_size, spec.accept)
+            return [(Tree.chain(row), proposal.drawn(i)) for i, row in enumerate(proposal.tokens.tolist())]
         if self.runner.draft.config.dflash2 is not None:
-            scores, candidates = self.draft.lattice(seqs, spec.block_size)
-            return [selector_tree(row_scores, row_candidates, spec.tree_topk, shape.tree_budget)
-                    for row_scores, row_candidates in zip(scores.cpu(), candidates.cpu())]
-        logprobs, ids = self.draft.rank(seqs, spec.block_size, spec.tree_topk)
-        return [build_tree(logp, ranked, shape.tree_budget, spec.tree_rule)
-                for logp, ranked in zip(logprobs.cpu(), ids.cpu())]
+            return self.selector_trees(seqs, shape)
+        temps = temperatures(seqs, spec.accept)
+        if not any(temps):
+            logprobs, ids = self.draft.rank(seqs, spec.block_size, k)
+            return [(build_tree(logp, ranked, shape.tree_budget, spec.tree_rule), {})
+                    for logp, ranked in zip(logprobs.cpu(), ids.cpu())]
+        logprobs, ids, proposal = self.draft.sampled_tree_material(seqs, spec.block_size, k, spec.accept)
+        spines = proposal.tokens.cpu().tolist()
+        out = []
+        for row, (temp, logp, ranked) in enumerate(zip(temps, logprobs.cpu(), ids.cpu())):
+            if not temp:
+                out.append((build_tree(logp[:, :k], ranked[:, :k], shape.tree_budget, spec.tree_rule), {}))
+                continue
+            tree = build_tree(*with_spine(logp, ranked, spines[row], k), shape.tree_budget, "spine-first")
+            spine = min(len(spines[row]), shape.tree_budget)  # nodes 1..spine: the sampled chain
+            out.append((tree, {n: d for n, d in proposal.drawn(row).items() if n <= spine}))
+        return out
+
+    def selector_trees(self, seqs: list[Sequence], shape: DraftShape) -> list[tuple[Tree, dict[int, Drawn]]]:
+        """A DFlash2 draft's trees (selector_tree.py), grown around its greedy walk, or around a sampled
+        row's walk under "rejection" (the walk's nodes are its sampled ones)."""
+        spec = self.speculation
+        scores, candidates, proposal = self.draft.selector_material(seqs, spec.block_size, spec.accept)
+        temps = temperatures(seqs, spec.accept)
+        out = []
+        for row, (row_scores, row_candidates) in enumerate(zip(scores.cpu(), candidates.cpu())):
+            if not temps[row]:
+                out.append((selector_tree(row_scores, row_candidates, spec.tree_topk, shape.tree_budget), {}))
+                continue
+            path = proposal.tokens[row].tolist()
+            walked = [row_candidates[i].tolist().index(token) for i, token in enumerate(path)]
+            tree = selector_tree(row_scores, row_candidates, spec.tree_topk, shape.tree_budget, walked)
+            depth = min(len(walked), shape.tree_budget)
+            out.append((tree, {n: d for n, d in proposal.drawn(row).items() if n <= depth}))
+        return out
 
 
-def accept_chain(seq: Sequence, candidates: torch.Tensor, host: torch.Tensor,
-                 target: torch.Tensor) -> Outcome:
+def accept_chain(seq: Sequence, host: torch.Tensor, target: torch.Tensor, rule: AcceptRule,
+                 drawn: dict[int, Drawn]) -> Outcome:
     """A chain's accepted candidates (their places 1.. in the row), the bonus, and the logits that chose them
     (for a request that needs logits)."""
-    accepted, bonus = accept(seq, candidates, host, target[: candidates.shape[0] + 1])
+    accepted, bonus = accept(seq, host, target[: host.shape[0] + 1], rule, drawn)
     return list(range(1, accepted + 1)), bonus, target[: accepted + 1] if seq.needs_logits else None
 
 

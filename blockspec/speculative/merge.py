@@ -12,7 +12,8 @@ One merged step also tells what either proposer alone would have kept: the walk 
 is the walk through either part until it leaves that part (the target's token at a node is the same
 whichever tree holds it), so the draft's candidates alone keep the accepted nodes up to the first the
 draft did not propose, and the copy alone the accepted nodes while they lie on its chain. The governor
-learns all three acceptance rates from each merged step.
+learns all three acceptance rates from each merged step (under the "rejection" rule a sibling's test
+changes the residual the others meet, so there these are estimates).
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ class MergedTree:
     tree: Tree  # the copy's chain (nodes 1..copied), then the draft's candidates that it lacks
     copied: int  # the copy's length
     drafted: frozenset[int]  # the nodes the draft proposed (the copy's too where the two agree)
+    placed: tuple[int, ...] = ()  # per node of the draft's tree, the node it became
 
     @classmethod
     def of(cls, draft: Tree, copy: list[int]) -> MergedTree:
         tree, placed = Tree.chain(copy).union(draft)
-        return cls(tree, len(copy), frozenset(placed))
+        return cls(tree, len(copy), frozenset(placed), placed)
 
     def sources(self, path: list[int]) -> list[str]:
         """Each accepted node's proposer: "draft" where the draft proposed its token (it would have been

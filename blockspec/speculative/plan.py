@@ -10,6 +10,7 @@ from blockspec.config import EngineConfig
 from blockspec.engine.sequence import Sequence
 from blockspec.errors import BlockspecError
 from blockspec.models.draft_config import DraftConfig
+from blockspec.speculative.proposal import AcceptRule
 from blockspec.speculative.tree import TreeRule
 
 Source = Literal["plain", "draft", "lookup", "merged"]
@@ -43,6 +44,7 @@ class Speculation:
     # a row with a copy verifies it merged into its draft's candidates as one tree (merge.py): as the
     # governor decides (auto; without one: never), on every such step (always), or never
     merge: MergeRule = "auto"
+    accept: AcceptRule = "match"  # how sampled requests judge candidates (accept.py)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, draft: DraftConfig, vocab: int) -> Speculation:
@@ -54,7 +56,7 @@ class Speculation:
             "auto", "never")  # auto is the governor's choice: without one, copies alone
         return cls(draft.block_size, draft.mask_token_id, cfg.prompt_lookup_ngram,
                    cfg.prompt_lookup_block_size or max(4, draft.block_size), cfg.speculative_tree_budget,
-                   cfg.speculative_tree_topk, cfg.speculative_tree_rule, merge)
+                   cfg.speculative_tree_topk, cfg.speculative_tree_rule, merge, cfg.speculative_accept)
 
     @property
     def shapes(self) -> tuple[DraftShape, ...]:

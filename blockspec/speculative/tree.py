@@ -126,3 +126,17 @@ def build_tree(logprobs: torch.Tensor, ids: torch.Tensor, budget: int, rule: Tre
         push(position + 1, 0, len(nodes), -negative)
     return Tree(*(tuple(column) for column in zip(*nodes))) if nodes else Tree((), ())
 
+
+
+def with_spine(logprobs: torch.Tensor, ids: torch.Tensor, spine: list[int],
+               k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's ranking (logprobs / ids [depth, w], best first) cut to k per position, each position's
+    `spine` token (which the ranking holds) moved first: built "spine-first", the tree's spine is then the
+    given chain (a sampled proposal, rejection.py), its other nodes the best of the rest."""
+    order = []
+    for position, token in enumerate(spine):
+        first = int((ids[position] == token).nonzero()[0])
+        rest = [rank for rank in range(ids.shape[1]) if rank != first]
+        order.append([first] + rest[: k - 1])
+    index = torch.tensor(order, dtype=torch.long)
+    return logprobs.gather(-1, index), ids.gather(-1, index)
