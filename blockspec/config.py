@@ -44,7 +44,7 @@ RANGES = {
     "speculative_tree_budget": (0, MAX_TREE_BUDGET, ": the candidate nodes a DFlash step verifies beyond "
                                                     "its pending token (0: the draft's chain only)"),
     "speculative_tree_topk": (1, MAX_TREE_BUDGET, ": the draft's best tokens per block position a tree may "
-                                                  "hold"),
+                                                  "hold (a DFlash2 draft: prefixes kept per depth)"),
     "threads": (1, MAX_THREADS, " (CPU threads)"),
     "tp_size": (1, 1024, " (tensor-parallel ranks)"),
 }
@@ -264,7 +264,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "takes the tree only where it measures faster (output is identical either way; "
                         "0: chain only; default 0)")
     g.add_argument("--speculative-tree-topk", type=int, default=4, metavar="K",
-                   help="a tree's tokens per block position, at most (default 4)")
+                   help="a tree's tokens per block position, at most; for a DFlash2 draft the beam's "
+                        "prefixes per depth (default 4)")
     g.add_argument("--speculative-tree-rule", choices=list(TREE_RULES), default="best-first",
                    help="best-first: the N most probable prefixes; spine-first: the draft's chain first "
                         "(never accepts less than it), then the most probable others (default best-first)")
