@@ -111,6 +111,8 @@ def test_training_lowers_the_selector_loss_resumes_and_decodes_losslessly(tiny):
     sel = [r["sel_loss"] for r in state["history"]]
     assert all(math.isfinite(x) for x in sel) and sum(sel[-8:]) / 8 < sum(sel[:8]) / 8 - 0.1
     assert summary["step"] == 40 and 1.0 <= state["history"][-1]["heldout_walk_tau"] <= 4.0
+    card = (out / "MODEL_CARD.md").read_text()
+    assert card.startswith("# DFlash2 draft") and "| step | selector loss | walk tau |" in card
     straight, split = tiny / "d2-straight", tiny / "d2-split"
     kw = dict(steps=6, eval_every=3, architecture="dflash2", selector_rank=8, selector_top_k=4)
     train(_cfg(tiny, straight, **kw))
