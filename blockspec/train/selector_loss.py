@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from blockspec.layers.selector import CandidateSelector
-from blockspec.models.dflash2 import select_path, unary_candidates, unary_scores
+from blockspec.layers.selector import CandidateSelector, walk
+from blockspec.models.dflash2 import unary_candidates, unary_scores
 from blockspec.models.dflash2_config import Dflash2Config
 from blockspec.models.draft import DFlashDraft
 from blockspec.train.objective import IGNORE, Blocks, TrainVocab, dflash_loss
@@ -84,7 +84,8 @@ def dflash2_metrics(draft: DFlashDraft, lm_head, hidden: torch.Tensor,
         slots = hidden.float().view(b, count, steps + 1, -1)[:, :, 1:]
         labels, rows = blocks.labels, blocks.labels != IGNORE
         out = {}
-        unary, candidates = unary_candidates(lm_head, slots[rows].unsqueeze(1), draft.config.dflash2,
+        d2, head_dtype = draft.config.dflash2, lm_head.dtype  # the target's head may be bf16
+        unary, candidates = unary_candidates(lm_head, slots[rows].unsqueeze(1).to(head_dtype), d2,
                                              draft.vocab)
         unary, candidates, target = unary[:, 0], candidates[:, 0], labels[rows]
         out["recall_at_k"] = (candidates == target.unsqueeze(-1)).any(-1).float()
@@ -93,6 +94,8 @@ def dflash2_metrics(draft: DFlashDraft, lm_head, hidden: torch.Tensor,
         out["selector_acc"] = (candidates.gather(1, scores.argmax(-1, keepdim=True))[:, 0] == target).float()
         complete = blocks.complete
         anchor = blocks.input_ids.view(b, count, steps + 1)[:, :, 0][complete]
-        path = select_path(draft, lm_head, slots[complete], anchor).tokens
+        unary, candidates = unary_candidates(lm_head, slots[complete].to(head_dtype), d2, draft.vocab)
+        scores = draft.candidate_selector.lattice(slots[complete], unary, candidates, anchor)
+        path = walk(scores, candidates).tokens  # as select_path, the head in its own dtype
         out["walk_tau"] = 1.0 + (path == labels[complete]).long().cumprod(dim=-1).sum(-1).float()
         return {k: v.cpu() for k, v in out.items()}
