@@ -106,7 +106,7 @@ def test_a_converted_dflash_draft_starts_where_it_was(tiny):
 def test_training_lowers_the_selector_loss_resumes_and_decodes_losslessly(tiny):
     out = tiny / "d2-scratch"
     summary = train(_cfg(tiny, out, steps=40, lr=1e-2, architecture="dflash2", selector_rank=8,
-                         selector_top_k=4, train_vocab=60, train_dtype="bfloat16"))
+                         selector_top_k=4, train_vocab=60, train_dtype="bfloat16", dtype="bfloat16"))
     state = torch.load(out / "checkpoint" / "state.pt", weights_only=False)
     sel = [r["sel_loss"] for r in state["history"]]
     assert all(math.isfinite(x) for x in sel) and sum(sel[-8:]) / 8 < sum(sel[:8]) / 8 - 0.1
