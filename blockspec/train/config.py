@@ -17,8 +17,8 @@ from blockspec.models.dflash2_config import ARCHITECTURE2, Dflash2Config
 from blockspec.models.draft import DFlashDraft
 from blockspec.models.draft_config import DraftConfig, default_target_layer_ids, resolve_draft_config
 from blockspec.models.loader import copy_layer, load_draft, model_tensors
-from blockspec.train.dflash2_setup import SELECTOR_INIT_STD, check_architecture, dflash2_keys
 from blockspec.models.target import CausalLM
+from blockspec.train.dflash2_setup import SELECTOR_INIT_STD, check_architecture, dflash2_keys
 
 SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Tried in order when no --mask-token(-id) is given: dedicated mask tokens, then rarely used specials.

@@ -32,11 +32,11 @@ from blockspec.paths import check_folder, check_output_folder
 from blockspec.train import data as D
 from blockspec.train.config import (SAVE_DTYPES, TrainConfig, init_draft, load_init_weights,
                                     make_draft_config, resolve_train_dtype)
+from blockspec.train.dflash2_setup import init_dflash2
 from blockspec.train.features import causal_batch, greedy_labels
 from blockspec.train.model_card import write_model_card
 from blockspec.train.objective import (TrainVocab, build_blocks, cosine_with_warmup, dflash_loss,
                                        greedy_accept_lengths, loss_weights, sample_anchors, steps_in_budget)
-from blockspec.train.dflash2_setup import init_dflash2
 from blockspec.train.prepare import prepare_stores
 from blockspec.train.selector_loss import dflash2_loss, dflash2_metrics
 
