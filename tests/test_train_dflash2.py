@@ -106,8 +106,10 @@ def test_a_converted_dflash_draft_starts_where_it_was(tiny):
 def test_training_lowers_the_selector_loss_resumes_and_decodes_losslessly(tiny):
     out = tiny / "d2-scratch"
     summary = train(_cfg(tiny, out, steps=40, lr=1e-2, architecture="dflash2", selector_rank=8,
-                         selector_top_k=4, train_vocab=60, train_dtype="bfloat16", dtype="bfloat16"))
+                         selector_top_k=4, train_vocab=60, train_dtype="bfloat16", dtype="bfloat16",
+                         selector_lr_scale=3.0))
     state = torch.load(out / "checkpoint" / "state.pt", weights_only=False)
+    assert [g["initial_lr"] for g in state["optimizer"]["param_groups"]] == [1e-2, 3e-2]
     sel = [r["sel_loss"] for r in state["history"]]
     assert all(math.isfinite(x) for x in sel) and sum(sel[-8:]) / 8 < sum(sel[:8]) / 8 - 0.1
     assert summary["step"] == 40 and 1.0 <= state["history"][-1]["heldout_walk_tau"] <= 4.0
@@ -141,6 +143,8 @@ def test_bad_combinations_are_refused(tiny, capsys):
         _cfg(tiny, tiny / "bad-a", selector_rank=8)
     with pytest.raises(BlockspecError, match="selector_alpha=-1"):
         _cfg(tiny, tiny / "bad-b", architecture="dflash2", selector_alpha=-1.0)
+    with pytest.raises(BlockspecError, match="selector_lr_scale=0.0 must be a number > 0"):
+        _cfg(tiny, tiny / "bad-b2", architecture="dflash2", selector_lr_scale=0.0)
     with pytest.raises(BlockspecError, match="architecture='dflash3'"):
         _cfg(tiny, tiny / "bad-c", architecture="dflash3")
     d2 = tiny / "d2-for-errors"

@@ -70,6 +70,9 @@ def register(sub) -> None:
       help="dflash2: candidates K per drafted position (default: the --init draft's, else 16)")
     a("--selector-alpha", type=float, default=None, metavar="ALPHA",
       help="dflash2: weight of the selector's loss (default 1.0)")
+    a("--selector-lr-scale", type=float, default=None, metavar="X",
+      help="dflash2: the selector's learning rate is X times --lr (default 1.0; a selector new on a "
+      "trained backbone starts near zero)")
     a("--train-vocab", type=int, default=None, metavar="N",
       help="training softmax over the N most frequent label tokens (a CPU speed-up; "
       "default: the full vocabulary)")

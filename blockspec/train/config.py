@@ -61,6 +61,7 @@ class TrainConfig:
     selector_rank: int | None = None  # dflash2 only (default: the --init draft's, else 64)
     selector_top_k: int | None = None  # dflash2 only (default: the --init draft's, else 16)
     selector_alpha: float | None = None  # dflash2 only: weight of the selector's loss (default 1.0)
+    selector_lr_scale: float | None = None  # dflash2 only: the selector's lr / --lr (default 1.0)
     device: str = "auto"
     dtype: str = "auto"  # target dtype for feature extraction / response generation
     # autocast dtype of the draft's forward ("auto": bf16 where bf16 matmuls are fast)

@@ -26,7 +26,7 @@ def check_architecture(cfg: TrainConfig) -> None:
     if cfg.architecture not in ARCHITECTURES:
         raise BlockspecError(f"train-draft: {setting('architecture')}={cfg.architecture!r}; "
                              f"use one of {', '.join(ARCHITECTURES)}.")
-    given = [name for name in ("selector_rank", "selector_top_k", "selector_alpha")
+    given = [name for name in ("selector_rank", "selector_top_k", "selector_alpha", "selector_lr_scale")
              if getattr(cfg, name) is not None]
     if cfg.architecture == "dflash" and given:
         raise BlockspecError(f"train-draft: {setting(given[0])} applies to DFlash2 drafts only; pass "
@@ -37,6 +37,11 @@ def check_architecture(cfg: TrainConfig) -> None:
             raise BlockspecError(f"train-draft: {setting('selector_alpha')}={alpha!r} must be a number "
                                  f">= 0 (the selector loss's weight; 0 trains the backbone only).")
         cfg.selector_alpha = float(alpha)
+        scale = 1.0 if cfg.selector_lr_scale is None else cfg.selector_lr_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+            raise BlockspecError(f"train-draft: {setting('selector_lr_scale')}={scale!r} must be a number "
+                                 f"> 0 (the selector's learning rate is --lr times it).")
+        cfg.selector_lr_scale = float(scale)
 
 
 def init_dflash2(cfg: TrainConfig, target: ModelConfig, tokenizer) -> Dflash2Config | None:

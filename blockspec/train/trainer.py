@@ -301,7 +301,8 @@ class Trainer:
         self.draft.rotary.ensure(cfg.seq_len + self.draft_cfg.block_size)
         self.draft.to(self.device).train()
         params = [p for p in self.draft.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.opt = torch.optim.AdamW(self.param_groups(), lr=cfg.lr, betas=(0.9, 0.95),
+                                     weight_decay=cfg.weight_decay)
         self.warmup = max(1, round(cfg.warmup_ratio * self.total_steps))
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: cosine_with_warmup(s, self.total_steps, self.warmup))
@@ -399,6 +400,16 @@ class Trainer:
         self.save(step)
         return {"step": step, "total_steps": self.total_steps, "heldout_tau": self.last("heldout_tau"),
                 "final_loss": self.last("loss"), **self.stats}
+
+    def param_groups(self) -> list[dict]:
+        """The optimizer's groups: a DFlash2 draft's selector at --selector-lr-scale times the learning rate
+        (it starts near zero on a trained backbone, and Adam moves a weight ~lr per step)."""
+        named = [(n, p) for n, p in self.draft.named_parameters() if p.requires_grad]
+        selector = [p for n, p in named if n.startswith("candidate_selector.")]
+        rest = [p for n, p in named if not n.startswith("candidate_selector.")]
+        if not selector or self.cfg.selector_lr_scale == 1.0:
+            return [{"params": rest + selector}]
+        return [{"params": rest}, {"params": selector, "lr": self.cfg.lr * self.cfg.selector_lr_scale}]
 
     def train_vocab(self) -> TrainVocab:
         store, vocab_size = self.stores["train"], self.target_cfg.vocab_size
