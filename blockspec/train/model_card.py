@@ -39,9 +39,10 @@ def _selector_table(cfg: TrainConfig, evals: list[dict]) -> list[str]:
     """A DFlash2 draft's selector figures per evaluation: the walk's tau is what the engine gets."""
     return ["", f"DFlash2: loss = DFlash loss on the unary scores + {cfg.selector_alpha:g} x the selector's "
             f"K-way cross-entropy (teacher-forced predecessor, the label swapped into the candidates when "
-            f"missing). Held-out: the selector walk's tau (greedy, each step after the walk's own choice: "
-            f"the engine's proposal) next to the unary argmax's tau above, recall@K (the label among the "
-            f"unary top-K) and the teacher-forced selector accuracy.", "",
+            f"missing); the selector's learning rate {cfg.selector_lr_scale:g} x {cfg.lr}. Held-out: the "
+            f"selector walk's tau (greedy, each step after the walk's own choice: the engine's proposal) "
+            f"next to the unary argmax's tau above, recall@K (the label among the unary top-K) and the "
+            f"teacher-forced selector accuracy.", "",
             "| step | selector loss | walk tau | unary tau | recall@K | selector acc |",
             "|---|---|---|---|---|---|",
             *[f"| {r['step']} | {_fmt(r.get('sel_loss', '-'))} | {_fmt(r.get('heldout_walk_tau', '-'))} | "
