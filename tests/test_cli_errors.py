@@ -132,7 +132,7 @@ ENGINE = {"--max-running-requests": ints(1, 4096), "--max-total-tokens": ints(1)
 TRAIN_POSITIVE = ["--num-draft-layers", "--num-target-features", "--tokens", "--steps", "--batch-size",
                   "--anchors-per-seq", "--train-vocab", "--save-every", "--eval-every", "--eval-seqs",
                   "--eval-anchors", "--response-tokens", "--gen-batch-size", "--extract-batch-size",
-                  "--stop-after-steps"]
+                  "--stop-after-steps", "--selector-rank", "--selector-top-k"]
 BAD = {
     "generate": {**MODEL, **SAMPLING, **EXTRAS},
     "chat": {**MODEL, **SAMPLING, **EXTRAS},
@@ -170,6 +170,9 @@ BAD = {
                     "--save-dtype": words("float32", "float16", "bfloat16"), "--seed": ints(0, 2**63 - 1),
                     "--cache-dir": ["file", "under-file"], "--features": words("auto", "disk", "online"),
                     "--time-budget": floats(0, math.inf, low_open=True, high_open=True),
+                    "--architecture": words("dflash", "dflash2"),
+                    "--selector-alpha": floats(0, math.inf, high_open=True),
+                    "--selector-lr-scale": floats(0, math.inf, low_open=True, high_open=True),
                     "--threads": ints(1, 1024)},
     "eval-draft": {"--model-path": FOLDER, "--draft-model-path": FOLDER, "--dataset": ["missing", "file"],
                    "--block-sizes": st.sampled_from(["1", "x", "", "2,999"]), "--num-prompts": ints(1),

@@ -59,6 +59,15 @@ class CandidateSelector(nn.Module):
         right = F.embedding(candidates, self.successor_codebook).float()  # [b, γ, K, r]
         return unary.float().unsqueeze(2) + left @ right.transpose(-1, -2)
 
+    def edges(self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor,
+              predecessors: torch.Tensor) -> torch.Tensor:
+        """One lattice row per position: the scores fp32 [N, K] of candidates [N, K] (unary [N, K]) after
+        a given predecessor [N] each, for hidden states [N, H] (training's teacher-forced rows)."""
+        projected = self.hidden_projection(hidden).float()  # [N, r]
+        left = F.embedding(predecessors, self.predecessor_codebook).float() * projected
+        right = F.embedding(candidates, self.successor_codebook).float()  # [N, K, r]
+        return unary.float() + (right @ left.unsqueeze(-1)).squeeze(-1)
+
 
 @dataclass
 class Walk:

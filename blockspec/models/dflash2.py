@@ -24,10 +24,16 @@ def unary_candidates(head: LMHead, hidden: torch.Tensor, d2: Dflash2Config,
     logits, columns = head.logits_over(hidden.reshape(-1, width), vocab)  # exact fp32 [b * γ, V or |vocab|]
     values, ids = logits.topk(d2.selector_top_k, dim=-1)
     ids = ids if columns is None else columns[ids]
-    values = values * d2.output_multiplier
+    return unary_scores(values, d2).view(b, steps, -1), ids.view(b, steps, -1)
+
+
+def unary_scores(logits: torch.Tensor, d2: Dflash2Config) -> torch.Tensor:
+    """The target head's logits as a DFlash2 draft's unary scores: times output_multiplier, then the
+    softcap tanh(x / cap) * cap (training applies the same to the logits its losses see)."""
+    values = logits * d2.output_multiplier if d2.output_multiplier != 1.0 else logits
     if d2.final_logit_softcapping is not None:
         values = torch.tanh(values / d2.final_logit_softcapping) * d2.final_logit_softcapping
-    return values.view(b, steps, -1), ids.view(b, steps, -1)
+    return values
 
 
 def lattice(draft: DFlashDraft, head: LMHead, hidden: torch.Tensor,

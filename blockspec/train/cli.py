@@ -59,6 +59,20 @@ def register(sub) -> None:
       "(default 0: hard labels)")
     a("--init", default="target", help="target (draft layers start as the target's top layers), random, "
       "or a draft folder to continue from (same shape)")
+    a("--architecture", choices=["dflash", "dflash2"], default="dflash",
+      help="dflash, or dflash2: + a causal convolution around each sublayer and a candidate selector over "
+      "the unary top-K, trained with loss = DFlash loss + ALPHA * selector cross-entropy. With --init a "
+      "DFlash draft it starts as that draft (identity convolutions, selector ~ N(0, 0.02)); with a DFlash2 "
+      "draft it continues it (default: dflash)")
+    a("--selector-rank", type=int, default=None,
+      help="dflash2: rank r of the selector's codebooks [V, r] (default: the --init draft's, else 64)")
+    a("--selector-top-k", type=int, default=None,
+      help="dflash2: candidates K per drafted position (default: the --init draft's, else 16)")
+    a("--selector-alpha", type=float, default=None, metavar="ALPHA",
+      help="dflash2: weight of the selector's loss (default 1.0)")
+    a("--selector-lr-scale", type=float, default=None, metavar="X",
+      help="dflash2: the selector's learning rate is X times --lr (default 1.0; a selector new on a "
+      "trained backbone starts near zero)")
     a("--train-vocab", type=int, default=None, metavar="N",
       help="training softmax over the N most frequent label tokens (a CPU speed-up; "
       "default: the full vocabulary)")

@@ -12,10 +12,13 @@ import torch
 from blockspec.device import has_fast_bf16
 from blockspec.errors import BlockspecError, setting
 from blockspec.models.config import ModelConfig
+from blockspec.models.dflash2 import dflash2_from
+from blockspec.models.dflash2_config import ARCHITECTURE2, Dflash2Config
 from blockspec.models.draft import DFlashDraft
 from blockspec.models.draft_config import DraftConfig, default_target_layer_ids, resolve_draft_config
 from blockspec.models.loader import copy_layer, load_draft, model_tensors
 from blockspec.models.target import CausalLM
+from blockspec.train.dflash2_setup import SELECTOR_INIT_STD, check_architecture, dflash2_keys
 
 SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Tried in order when no --mask-token(-id) is given: dedicated mask tokens, then rarely used specials.
@@ -54,6 +57,11 @@ class TrainConfig:
     train_vocab: int | None = None  # training softmax over the N most frequent label tokens (None: all)
     # "target": draft layers start as the target's top layers; "random"; or a draft folder
     init: str = "target"
+    architecture: str = "dflash"  # "dflash2": + local convolutions and a candidate selector
+    selector_rank: int | None = None  # dflash2 only (default: the --init draft's, else 64)
+    selector_top_k: int | None = None  # dflash2 only (default: the --init draft's, else 16)
+    selector_alpha: float | None = None  # dflash2 only: weight of the selector's loss (default 1.0)
+    selector_lr_scale: float | None = None  # dflash2 only: the selector's lr / --lr (default 1.0)
     device: str = "auto"
     dtype: str = "auto"  # target dtype for feature extraction / response generation
     # autocast dtype of the draft's forward ("auto": bf16 where bf16 matmuls are fast)
@@ -82,7 +90,7 @@ class TrainConfig:
         positive = ["num_draft_layers", "block_size", "num_target_features", "batch_size", "seq_len",
                     "anchors_per_seq", "save_every", "eval_every", "eval_seqs", "eval_anchors",
                     "response_tokens", "gen_batch_size", "extract_batch_size"]
-        optional = ["tokens", "steps", "stop_after_steps", "train_vocab"]
+        optional = ["tokens", "steps", "stop_after_steps", "train_vocab", "selector_rank", "selector_top_k"]
         for name in positive + optional:
             value = getattr(self, name)
             if value is None and name in optional:
@@ -115,6 +123,7 @@ class TrainConfig:
             raise BlockspecError(f"train-draft: {setting('init')}={self.init!r}: use 'target', 'random', or "
                                  f"a draft folder (config.json + model.safetensors) to continue training "
                                  f"from.")
+        check_architecture(self)
         if self.features not in FEATURES:
             raise BlockspecError(f"train-draft: {setting('features')}={self.features!r}; "
                                  f"use one of {', '.join(FEATURES)}.")
@@ -161,16 +170,18 @@ def pick_mask_token(tokenizer, vocab_size: int) -> tuple[str | None, int]:
         "--mask-token-id with an existing, rarely used special token id (blockspec never adds new tokens).")
 
 
-def make_draft_config(cfg: TrainConfig, target: ModelConfig, tokenizer) -> DraftConfig:
-    """Build the z-lab config.json content for the new draft and resolve it through the same
-    validation every loaded draft goes through."""
+def make_draft_config(cfg: TrainConfig, target: ModelConfig, tokenizer,
+                      init: Dflash2Config | None = None) -> DraftConfig:
+    """Build the z-lab config.json content for the new draft (`init`: the --init draft's DFlash2 settings)
+    and resolve it through the same validation every loaded draft goes through."""
     token, token_id = cfg.mask_token, cfg.mask_token_id
     if token_id is None and token is None:
         token, token_id = pick_mask_token(tokenizer, target.vocab_size)
     ids = cfg.target_layer_ids or default_target_layer_ids(target.num_hidden_layers, cfg.num_target_features)
-    dflash: dict = {"target_layer_ids": list(ids)}
+    dflash: dict = {"target_layer_ids": list(ids), **dflash2_keys(cfg, init)}
     raw = {
-        "architectures": ["DFlashDraftModel"], "hidden_size": target.hidden_size,
+        "architectures": [ARCHITECTURE2 if cfg.architecture == "dflash2" else "DFlashDraftModel"],
+        "hidden_size": target.hidden_size,
         "num_hidden_layers": cfg.num_draft_layers, "num_attention_heads": target.num_attention_heads,
         "num_key_value_heads": target.num_key_value_heads, "head_dim": target.head_dim,
         "intermediate_size": target.intermediate_size, "rms_norm_eps": target.rms_norm_eps,
@@ -196,6 +207,11 @@ def init_draft(draft: DFlashDraft, target: CausalLM, how: str, generator: torch.
     # into very large logits: an untrained draft would be confidently wrong (SmolLM2: loss 17 with the
     # target's norm, 70 with ones, ~9.4 at 0.3x), and Adam moves a weight only ~lr per step. Start soft.
     copy_layer(draft.norm, target.norm, FINAL_NORM_SCALE)
+    if draft.config.dflash2 is not None:  # identity convolutions: the draft starts as its DFlash backbone
+        for layer in draft.layers:
+            layer.attention_conv.set_identity()
+            layer.mlp_conv.set_identity()
+        draft.candidate_selector.init_random(generator, SELECTOR_INIT_STD)
     if how != "target":
         return
     n, big_l, h = len(draft.layers), len(target.layers), draft.config.hidden_size
@@ -216,16 +232,21 @@ def init_draft(draft: DFlashDraft, target: CausalLM, how: str, generator: torch.
     copy_layer(draft.hidden_norm, draft.layers[0].input_layernorm)
 
 
-def load_init_weights(folder: Path, mine: DraftConfig, target: ModelConfig,
-                      tokenizer) -> dict[str, torch.Tensor]:
+def load_init_weights(folder: Path, mine: DraftConfig, target: ModelConfig, tokenizer,
+                      seed: int = 0) -> dict[str, torch.Tensor]:
     """--init FOLDER: the weights of an existing draft of the same shape. The block size may differ (the
     weights do not depend on it: a draft trained at 16 can be tuned for 4), and the draft may grow:
     extra layers are copies of its last layer with o_proj and down_proj zeroed, i.e. identity residual
-    blocks, so the deeper draft starts out computing exactly what the old one did."""
+    blocks, so the deeper draft starts out computing exactly what the old one did. A DFlash draft trained
+    on as a DFlash2 one gets identity convolutions (the same hidden states) and a selector ~ N(0, 0.02)
+    drawn from `seed`."""
     token_to_id = tokenizer.token_to_id if tokenizer else None
     old = load_draft(folder, target, torch.float32, torch.device("cpu"), token_to_id)
     theirs = old.config
-    for name in ("target_layer_ids", "mask_token_id", "num_hidden_layers", "has_embed_tokens"):
+    if mine.dflash2 is not None and theirs.dflash2 is None:
+        old = dflash2_from(old, mine.dflash2, torch.Generator().manual_seed(seed), SELECTOR_INIT_STD)
+        theirs = old.config
+    for name in ("target_layer_ids", "mask_token_id", "num_hidden_layers", "has_embed_tokens", "dflash2"):
         if name == "num_hidden_layers" and mine.num_hidden_layers > theirs.num_hidden_layers:
             continue
         if getattr(mine, name) != getattr(theirs, name):

@@ -52,12 +52,16 @@ def run_eval_draft(args: argparse.Namespace, sizes: list[int], paths: list[str],
             row = {}
             for size in tqdm(sizes, desc=f"{dataset.name} {Path(path).name}", leave=False, file=sys.stderr):
                 stored = features[tuple(draft.config.target_layer_ids)]
-                got = torch.cat([block_accept_lengths(llm, draft, seq, feats, labels, size)
-                                 for seq, (feats, labels) in zip(seqs, stored)])
-                row[size] = {"tau": round(got.mean().item(), 4), "blocks": got.numel()}
+                got: dict[str, list] = {}
+                for seq, (feats, labels) in zip(seqs, stored):
+                    for key, value in block_accept_lengths(llm, draft, seq, feats, labels, size).items():
+                        got.setdefault(key, []).append(value)
+                got = {key: torch.cat(values) for key, values in got.items()}
+                row[size] = {key: round(value.mean().item(), 4) for key, value in got.items()}
+                row[size]["blocks"] = got["tau"].numel()
             results.setdefault(dataset.name, {})[path] = row
-            taus = ", ".join(f"B={b} tau {r['tau']:.3f} ({r['blocks']} blocks)" for b, r in row.items())
-            print(f"{dataset.name:10} {path}: {taus}", flush=True)
+            figures = ", ".join(_describe(b, r) for b, r in row.items())
+            print(f"{dataset.name:10} {path}: {figures}", flush=True)
     if args.json_path:
         report = {"results": results, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
                   "subset_seed": args.seed, "machine": machine_info(llm.device, llm.dtype),
@@ -65,10 +69,22 @@ def run_eval_draft(args: argparse.Namespace, sizes: list[int], paths: list[str],
         Path(args.json_path).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
 
 
+def _describe(size: int, row: dict) -> str:
+    """One block size's figures: tau (a DFlash2 draft's: its selector walk's, then the unary argmax's, the
+    label's recall in the unary top-K and the teacher-forced selector accuracy)."""
+    if "walk_tau" not in row:
+        return f"B={size} tau {row['tau']:.3f} ({row['blocks']} blocks)"
+    return (f"B={size} walk tau {row['walk_tau']:.3f} (unary tau {row['tau']:.3f}, recall@K "
+            f"{row['recall_at_k']:.3f}, selector acc {row['selector_acc']:.3f}; {row['blocks']} blocks)")
+
+
 @torch.inference_mode()
-def block_accept_lengths(llm, draft, seq, feats, labels, block_size: int) -> torch.Tensor:
-    """Greedy accept length of the draft's block at every anchor inside the answer."""
+def block_accept_lengths(llm, draft, seq, feats, labels, block_size: int) -> dict[str, torch.Tensor]:
+    """Greedy accept length of the draft's block at every anchor inside the answer ("tau": its argmax's).
+    A DFlash2 draft adds its selector walk's ("walk_tau": what the engine proposes) and, per labelled slot,
+    "recall_at_k" and "selector_acc" (selector_loss.dflash2_metrics)."""
     from blockspec.train.objective import TrainVocab, build_blocks, greedy_accept_lengths
+    from blockspec.train.selector_loss import dflash2_metrics
 
     device, t = llm.device, len(seq.ids)
     draft.use_target_embedding(llm.target.embed_tokens)
@@ -84,4 +100,7 @@ def block_accept_lengths(llm, draft, seq, feats, labels, block_size: int) -> tor
         marks = torch.zeros(llm.target.config.vocab_size)
         marks[draft.vocab.cpu()] = 1.0
         vocab = TrainVocab(llm.target.lm_head, marks, draft.vocab.numel())
-    return greedy_accept_lengths(hidden, llm.target.lm_head, blocks, vocab).cpu()
+    out = {"tau": greedy_accept_lengths(hidden, llm.target.lm_head, blocks, vocab).cpu()}
+    if draft.config.dflash2 is not None:
+        out.update(dflash2_metrics(draft, llm.target.lm_head, hidden, blocks))
+    return out

@@ -35,13 +35,29 @@ def _fmt(value) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
+def _selector_table(cfg: TrainConfig, evals: list[dict]) -> list[str]:
+    """A DFlash2 draft's selector figures per evaluation: the walk's tau is what the engine gets."""
+    return ["", f"DFlash2: loss = DFlash loss on the unary scores + {cfg.selector_alpha:g} x the selector's "
+            f"K-way cross-entropy (teacher-forced predecessor, the label swapped into the candidates when "
+            f"missing); the selector's learning rate {cfg.selector_lr_scale:g} x {cfg.lr}. Held-out: the "
+            f"selector walk's tau (greedy, each step after the walk's own choice: the engine's proposal) "
+            f"next to the unary argmax's tau above, recall@K (the label among the unary top-K) and the "
+            f"teacher-forced selector accuracy.", "",
+            "| step | selector loss | walk tau | unary tau | recall@K | selector acc |",
+            "|---|---|---|---|---|---|",
+            *[f"| {r['step']} | {_fmt(r.get('sel_loss', '-'))} | {_fmt(r.get('heldout_walk_tau', '-'))} | "
+              f"{_fmt(r['heldout_tau'])} | {_fmt(r.get('heldout_recall_at_k', '-'))} | "
+              f"{_fmt(r.get('heldout_selector_acc', '-'))} |" for r in evals]]
+
+
 def write_model_card(path: Path, cfg: TrainConfig, draft: DraftConfig, target: Path, spec: DataSpec,
                      stats: dict) -> None:
     history = stats.get("history", [])
     evals = [r for r in history if "heldout_tau" in r]
     last = evals[-1] if evals else {}
+    d2 = draft.dflash2
     lines = [
-        f"# DFlash draft for `{target.name}`", "",
+        f"# {'DFlash2' if d2 else 'DFlash'} draft for `{target.name}`", "",
         "A block-diffusion speculative-decoding draft (z-lab checkpoint format) trained with "
         "`blockspec train-draft`. Use it with:", "",
         "```", f"blockspec generate{'' if cfg.target == 'default' else f' --model-path {target}'} "
@@ -53,6 +69,11 @@ def write_model_card(path: Path, cfg: TrainConfig, draft: DraftConfig, target: P
         f"- block size {draft.block_size}; target features from layers {list(draft.target_layer_ids)} "
         f"(HF hidden_states[id + 1]); mask token id {draft.mask_token_id}"
         + (f" (`{draft.mask_token}`)" if draft.mask_token else ""),
+        *([f"- DFlash2: a causal convolution ({d2.conv_kernel_size} taps, groups of {d2.conv_group_size} "
+           f"channels) around each layer's attention and MLP, and a candidate selector of rank "
+           f"{d2.selector_rank} over the unary top-{d2.selector_top_k} (output multiplier "
+           f"{d2.output_multiplier:g}, softcap {d2.final_logit_softcapping}); the engine proposes the "
+           f"selector's greedy walk"] if d2 else []),
         "- shares the target's frozen embedding and LM head; initialised from "
         + {"target": "the target's top layers",
            "random": "random weights"}.get(cfg.init, f"the draft `{cfg.init}`"),
@@ -100,4 +121,6 @@ def write_model_card(path: Path, cfg: TrainConfig, draft: DraftConfig, target: P
               "", "| step | train loss | acc@1 | held-out tau |", "|---|---|---|---|"]
     lines += [f"| {r['step']} | {_fmt(r['loss'])} | {_fmt(r['acc1'])} | {_fmt(r['heldout_tau'])} |"
               for r in evals]
+    if d2:
+        lines += _selector_table(cfg, evals)
     path.write_text("\n".join(lines) + "\n")

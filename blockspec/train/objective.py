@@ -180,20 +180,21 @@ class TrainVocab:
 
 def dflash_loss(
     hidden: torch.Tensor, lm_head, blocks: Blocks, weights: torch.Tensor, vocab: TrainVocab | None = None,
-    teacher: torch.Tensor | None = None, distill: float = 0.0,
+    teacher: torch.Tensor | None = None, distill: float = 0.0, logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Position-decayed cross-entropy over the predicted slots; the LM head (or the restricted `vocab`)
     runs on labelled rows only. With `teacher` (the target's final-normed hidden state at the position
     each slot predicts from, [b, count, B-1, H]) and distill > 0 the per-slot loss is
     (1 - distill) * CE(label) + distill * KL(target || draft) over the same head: the target's whole
-    next-token distribution, not only its argmax (soft labels, as in knowledge distillation)."""
+    next-token distribution, not only its argmax (soft labels, as in knowledge distillation). `logits`:
+    the draft's scores at the labelled slots when the caller has them (a DFlash2 draft's unary scores)."""
     block_size = weights.numel() + 1
     labels = blocks.labels if vocab is None else vocab.labels(blocks.labels)
     rows = labels != IGNORE  # [b, count, B-1]
     if not rows.any():
         return hidden.sum() * 0.0, {"loss": 0.0, "acc1": 0.0}
     head = lm_head if vocab is None else vocab
-    logits = block_logits(hidden, head, block_size, rows)
+    logits = block_logits(hidden, head, block_size, rows) if logits is None else logits
     target = labels[rows]
     w = weights.to(hidden.device).expand_as(rows)[rows]
     per_slot = F.cross_entropy(logits, target, reduction="none")

@@ -32,11 +32,13 @@ from blockspec.paths import check_folder, check_output_folder
 from blockspec.train import data as D
 from blockspec.train.config import (SAVE_DTYPES, TrainConfig, init_draft, load_init_weights,
                                     make_draft_config, resolve_train_dtype)
+from blockspec.train.dflash2_setup import init_dflash2
 from blockspec.train.features import causal_batch, greedy_labels
 from blockspec.train.model_card import write_model_card
 from blockspec.train.objective import (TrainVocab, build_blocks, cosine_with_warmup, dflash_loss,
                                        greedy_accept_lengths, loss_weights, sample_anchors, steps_in_budget)
 from blockspec.train.prepare import prepare_stores
+from blockspec.train.selector_loss import dflash2_loss, dflash2_metrics
 
 
 # --time-budget: steps timed (at most; a linear warm-up over them) before the length is set
@@ -75,14 +77,15 @@ class Trainer:
         self.target_cfg = ModelConfig.from_folder(self.target_path)
         has_tok = (self.target_path / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_folder(self.target_path) if has_tok else None
-        self.draft_cfg = make_draft_config(cfg, self.target_cfg, self.tokenizer)
+        self.draft_cfg = make_draft_config(cfg, self.target_cfg, self.tokenizer,
+                                           init_dflash2(cfg, self.target_cfg, self.tokenizer))
         if self.tokenizer is None and any(not s.endswith(".jsonl") for s in self.spec.sources):
             raise BlockspecError(f"train-draft: {self.target_path}/tokenizer.json is missing, "
                                  f"and {setting('data')}={cfg.data!r} needs it to tokenize text. "
                                  f"Add the tokenizer, or pass a .jsonl of token_ids.")
         # --init FOLDER: a draft of this shape, loaded now (a broken one fails before the data is prepared)
         self.init_weights = None if cfg.init in ("target", "random") else load_init_weights(
-            Path(cfg.init).expanduser(), self.draft_cfg, self.target_cfg, self.tokenizer)
+            Path(cfg.init).expanduser(), self.draft_cfg, self.target_cfg, self.tokenizer, cfg.seed)
         self._state = None  # --resume: the checkpoint, read (and checked) now
         if cfg.resume:
             self._state = torch.load(self.state_path, map_location="cpu", weights_only=False)  # RNG on CPU
@@ -212,14 +215,22 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Held-out tau estimate: mean over sampled anchors of 1 + leading slots where the draft's argmax
         equals the label (exactly greedy tau on on-policy labels; an estimate on teacher-forced text)."""
-        gen, accepted = torch.Generator().manual_seed(self.cfg.seed + 4242), []
+        gen, accepted, selector = torch.Generator().manual_seed(self.cfg.seed + 4242), [], {}
         for i in range(0, self.num_eval, self.cfg.batch_size):
             indices = list(range(i, min(self.num_eval, i + self.cfg.batch_size)))
             with self.amp():
                 hidden, blocks, _, _ = self.forward(self.batch("eval", indices), self.cfg.eval_anchors, gen)
                 accepted.append(greedy_accept_lengths(hidden, self.target.lm_head, blocks, self.vocab).cpu())
+            if self.draft_cfg.dflash2 is not None:
+                for key, value in dflash2_metrics(self.draft, self.target.lm_head, hidden, blocks).items():
+                    selector.setdefault(key, []).append(value)
         lengths = torch.cat(accepted) if accepted else torch.zeros(0)
-        return {"tau": lengths.mean().item() if lengths.numel() else float("nan"), "blocks": lengths.numel()}
+        out = {"tau": lengths.mean().item() if lengths.numel() else float("nan"), "blocks": lengths.numel()}
+        # DFlash2: "tau" is the unary argmax's; "walk_tau" the selector walk's, the engine's proposal
+        for key, values in selector.items():
+            joined = torch.cat(values)
+            out[key] = joined.mean().item() if joined.numel() else float("nan")
+        return out
 
     # ---- checkpoints ------------------------------------------------------------------------
     def save(self, step: int) -> None:
@@ -281,10 +292,17 @@ class Trainer:
             self.draft.load_state_dict(self.init_weights)
         self.freeze_target()
         self.vocab = self.train_vocab() if cfg.train_vocab else None
+        self.draft.vocab = self.vocab.ids if self.vocab is not None else None  # DFlash2: candidates among it
+        d2 = self.draft_cfg.dflash2
+        if d2 is not None and self.vocab is not None and d2.selector_top_k > self.vocab.size:
+            raise BlockspecError(f"train-draft: selector_top_k={d2.selector_top_k} is more than the "
+                                 f"{self.vocab.size} tokens of {setting('train_vocab')}; raise it or pass a "
+                                 f"smaller {setting('selector_top_k')}.")
         self.draft.rotary.ensure(cfg.seq_len + self.draft_cfg.block_size)
         self.draft.to(self.device).train()
         params = [p for p in self.draft.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.opt = torch.optim.AdamW(self.param_groups(), lr=cfg.lr, betas=(0.9, 0.95),
+                                     weight_decay=cfg.weight_decay)
         self.warmup = max(1, round(cfg.warmup_ratio * self.total_steps))
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: cosine_with_warmup(s, self.total_steps, self.warmup))
@@ -314,8 +332,12 @@ class Trainer:
                 with self.amp():
                     hidden, blocks, n_tok, teacher = self.forward(batch, cfg.anchors_per_seq, gen,
                                                                   teacher=cfg.distill > 0)
-                    loss, info = dflash_loss(hidden, self.target.lm_head, blocks, weights, self.vocab,
-                                             teacher, cfg.distill)
+                    if d2 is None:
+                        loss, info = dflash_loss(hidden, self.target.lm_head, blocks, weights, self.vocab,
+                                                 teacher, cfg.distill)
+                    else:
+                        loss, info = dflash2_loss(hidden, self.target.lm_head, blocks, weights, self.draft,
+                                                  cfg.selector_alpha, self.vocab, teacher, cfg.distill)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
                 self.opt.step()
@@ -325,7 +347,8 @@ class Trainer:
                 if step == first + 1:
                     first_step_seconds = time.perf_counter() - t0
                 ema = info["loss"] if ema is None else 0.95 * ema + 0.05 * info["loss"]
-                record = {"step": step, "loss": round(info["loss"], 4), "acc1": round(info["acc1"], 4)}
+                record = {"step": step, **{k: round(info[k], 4) for k in ("loss", "acc1", "sel_loss",
+                                                                          "recall") if k in info}}
                 calibrate = not calibrated and step >= 3 and (
                     step >= CALIBRATION_STEPS or time.perf_counter() - t0 >= cfg.time_budget / 10)
                 evaluated = step % cfg.eval_every == 0 or step == stop or calibrate
@@ -333,7 +356,9 @@ class Trainer:
                     t_eval = time.perf_counter()
                     record.update({f"heldout_{k}": v for k, v in self.evaluate().items()})
                     eval_seconds, evals = eval_seconds + time.perf_counter() - t_eval, evals + 1
-                    tqdm.write(f"step {step}: loss {ema:.3f}, held-out tau {record['heldout_tau']:.3f}",
+                    walk = (f", walk tau {record['heldout_walk_tau']:.3f}" if "heldout_walk_tau" in record
+                            else "")
+                    tqdm.write(f"step {step}: loss {ema:.3f}, held-out tau {record['heldout_tau']:.3f}{walk}",
                                file=sys.stderr)
                 self.history.append(record)
                 elapsed = time.perf_counter() - t0
@@ -375,6 +400,16 @@ class Trainer:
         self.save(step)
         return {"step": step, "total_steps": self.total_steps, "heldout_tau": self.last("heldout_tau"),
                 "final_loss": self.last("loss"), **self.stats}
+
+    def param_groups(self) -> list[dict]:
+        """The optimizer's groups: a DFlash2 draft's selector at --selector-lr-scale times the learning rate
+        (it starts near zero on a trained backbone, and Adam moves a weight ~lr per step)."""
+        named = [(n, p) for n, p in self.draft.named_parameters() if p.requires_grad]
+        selector = [p for n, p in named if n.startswith("candidate_selector.")]
+        rest = [p for n, p in named if not n.startswith("candidate_selector.")]
+        if not selector or self.cfg.selector_lr_scale == 1.0:
+            return [{"params": rest + selector}]
+        return [{"params": rest}, {"params": selector, "lr": self.cfg.lr * self.cfg.selector_lr_scale}]
 
     def train_vocab(self) -> TrainVocab:
         store, vocab_size = self.stores["train"], self.target_cfg.vocab_size
