@@ -2,10 +2,10 @@
 its ranking, tree building, the tree mask, the target's verify pass, the target's choices, acceptance and
 the commit (the accepted nodes' K/V moved into place, the draft's context injection).
 
-Usage: PYTHONPATH=. python scripts/step_profile.py [BUDGETS=0,4,8,16,32] [NUM_PROMPTS=5]
-The embedded SmolLM2 and its shipped draft at B=4, HumanEval prompts in the chat template, 128 new tokens,
-greedy, every step a DFlash step, no prompt lookup, 2 threads. Times are wall-clock sums per step; the
-parts nest (the mask is inside the verify pass).
+Usage: PYTHONPATH=. python scripts/step_profile.py [BUDGETS=0,4,8,16,32] [NUM_PROMPTS=5] [DRAFT]
+The embedded SmolLM2 and its shipped draft (or DRAFT, e.g. a DFlash2 one) at B=4, HumanEval prompts in
+the chat template, 128 new tokens, greedy, every step a DFlash step, no prompt lookup, 2 threads. Times
+are wall-clock sums per step; the parts nest (the mask is inside the verify pass).
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ from blockspec.layers.forward_batch import ForwardBatch
 from blockspec.speculative import decoder
 
 PARTS = [(ModelRunner, "draft_hidden", "draft pass"), (LMHead, "ranked", "ranking (top-k)"),
-         (LMHead, "propose", "ranking (argmax)"), (decoder, "build_tree", "tree building"),
+         (LMHead, "propose", "ranking (argmax)"),
+         (LMHead, "logits_over", "DFlash2 candidates (LM head)"),
+         (ModelRunner, "draft_lattice", "DFlash2 lattice (draft pass incl.)"),
+         (decoder, "build_tree", "tree building"),
          (ForwardBatch, "tree", "tree mask"), (ModelRunner, "target_pass", "verify pass (with the mask)"),
          (ModelRunner, "target_choices", "target choices (LM head)"), (decoder, "accept_trees", "acceptance"),
          (ModelRunner, "keep_paths", "commit: K/V moved"), (ModelRunner, "inject", "commit: injection"),
@@ -45,9 +48,10 @@ def timed(seconds: dict, owner, name: str, part: str) -> None:
 def main() -> None:
     budgets = [int(b) for b in (sys.argv[1] if len(sys.argv) > 1 else "0,4,8,16,32").split(",")]
     count = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+    draft = {"draft_model_path": sys.argv[3]} if len(sys.argv) > 3 else {}
     prompts = [[{"role": "user", "content": p.turns[0]}] for p in load_dataset("humaneval").prompts[:count]]
     llm = LLM(max_num_seqs=1, max_model_len=2048, adaptive_speculation=False, prompt_lookup_ngram=0,
-              block_size=4, speculative_tree_budget=max(budgets), threads=2)
+              block_size=4, speculative_tree_budget=max(budgets), threads=2, **draft)
     seconds: dict[str, float] = defaultdict(float)
     for owner, name, part in PARTS:
         timed(seconds, owner, name, part)

@@ -239,6 +239,7 @@ def test_greedy_requests_are_unchanged_under_rejection():
 @pytest.mark.parametrize("kwargs", [dict(params=dict(temperature=1.0)),
                                     dict(params=dict(temperature=0.8, top_k=5), tree=(6, 3, "best-first")),
                                     dict(params=dict(temperature=1.0), lookup_ngram=1, merge="always"),
+                                    dict(params=dict(temperature=1.0), lookup_ngram=1, merge="never"),
                                     dict(params=dict(temperature=1.0), dflash2=True),
                                     dict(params=dict(temperature=0.8), tree=(6, 3, "best-first"),
                                          dflash2=True)])
