@@ -86,6 +86,31 @@ def test_penalties_logprobs_and_stops_on_the_device(tiny):
         assert [e.logprob for e in s.logprobs] == pytest.approx([e.logprob for e in p.logprobs], abs=1e-4)
 
 
+@pytest.mark.parametrize("tree, accept", [(0, "match"), (6, "match"), (0, "rejection"), (6, "rejection")])
+def test_a_dflash2_draft_on_the_device_equals_the_cpu(tiny, tree, accept):
+    """A DFlash2 draft (its convolutions, candidates, lattice, walk and selector trees) on the device: greedy
+    equals plain decoding on the CPU; seeded sampled requests (the walk drawing its proposals under
+    "rejection") draw what the same engine draws on the CPU."""
+    from tests.test_dflash2 import write_checkpoint
+
+    if not (tiny / "d2").exists():
+        write_checkpoint(tiny / "d2", ModelConfig.from_folder(tiny / "target"), tiny / "draft")
+    kwargs = dict(model_path=str(tiny / "target"), draft_model_path=str(tiny / "d2"), block_size=4,
+                  adaptive_speculation=False, prompt_lookup_ngram=0, speculative_tree_budget=tree,
+                  speculative_tree_topk=2, speculative_accept=accept)
+    greedy, sampled = SamplingParams(max_tokens=24), SamplingParams(max_tokens=24, temperature=1.0, seed=7)
+    plain = [o.token_ids for o in LLM(model_path=str(tiny / "target"), speculative_algorithm="NONE",
+                                       device="cpu").generate(PROMPTS, greedy)]
+    cpu = LLM(device="cpu", **kwargs)
+    with fake_gpu():
+        gpu = LLM(device=FAKE_GPU, **kwargs)
+        assert isinstance(gpu.draft.candidate_selector.predecessor_codebook, FakeGpuTensor)
+        assert [o.token_ids for o in gpu.generate(PROMPTS, greedy)] == plain
+        on_gpu = gpu.generate(PROMPTS, sampled)
+        assert all(o.stats.tree_steps == (len(o.accept_lengths) if tree else 0) for o in on_gpu)
+    assert [o.token_ids for o in on_gpu] == [o.token_ids for o in cpu.generate(PROMPTS, sampled)]
+
+
 @pytest.mark.parametrize("features", ["online", "disk"])
 def test_train_draft_on_the_device(tmp_path, features):
     """On-policy responses, target features (per batch or extracted), distillation, a training vocabulary,
