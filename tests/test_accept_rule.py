@@ -177,11 +177,7 @@ def residual_is_p(p, stages, seed, position):
     """The classic bug: min(1, p/q) tests, but a rejection redrawn from p itself."""
     r = p.double()
     for index, (token, dist) in enumerate(stages):
-        q = torch.zeros_like(r)
-        if dist is None:
-            q[token] = 1.0
-        else:
-            q[dist[0]] = dist[1].double()
+        q = rejection_module.stage_q(r, token, dist)
         if rejection_module.uniform(seed, position, rejection_module.ACCEPT, index) * q[token] < r[token]:
             return index, token
     return None, draw(r.unsqueeze(0), seed, position, RESIDUAL)[0]

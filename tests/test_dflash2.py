@@ -17,7 +17,7 @@ from blockspec.layers.forward_batch import ForwardBatch
 from blockspec.layers.kv_cache import KVCache
 from blockspec.layers.selector import CandidateSelector, walk
 from blockspec.models.config import ModelConfig
-from blockspec.models.dflash2 import dflash2_from, select_path, unary_candidates
+from blockspec.models.dflash2 import dflash2_from, lattice, unary_candidates
 from blockspec.models.dflash2_config import Dflash2Config
 from blockspec.models.loader import load_draft, save_draft
 from blockspec.sampling_params import SamplingParams
@@ -262,7 +262,7 @@ def test_greedy_and_sampled_walks_from_the_runner(tiny, tmp_path):
         u = torch.rand(2, 4, generator=gen(5), dtype=torch.float64)
         mixed = engine.runner.draft_walk(seqs, block, torch.tensor([0.0, 0.9]), u)
         hid = engine.runner.draft_hidden(seqs, block)
-        again = select_path(draft, target.lm_head, hid, block[:, 0], torch.tensor([0.0, 0.9]), u)
+        again = walk(*lattice(draft, target.lm_head, hid, block[:, 0]), torch.tensor([0.0, 0.9]), u)
     assert torch.equal(mixed.tokens[0], greedy.tokens[0]) and torch.equal(mixed.tokens, again.tokens)
     assert torch.allclose(mixed.q.sum(-1), torch.ones(2, 4)) and bool((mixed.q[0].max(-1).values == 1).all())
 
@@ -366,22 +366,27 @@ def engines(request, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("form", [None, "q8_0"])
-def test_greedy_and_seeded_sampled_dflash2_equal_plain_decoding(engines, form):
+def plain_and_dflash(engine, sizes):
+    """(block size, plain, DFlash) per prompt, block size and request (greedy, seeded sampled)."""
     from blockspec.engine.sequence import Sequence
 
-    engine = engines[form]
-    draft = engine.runner.draft
-    assert (draft.block_stack() is None) and (draft.context_stack() is not None) == (form is not None)
     prompts = [list(range(10, 40)), [7, 8, 9], list(range(60, 90, 2))]
-    for size in (2, 3, 5, 8):
+    for size in sizes:
         engine.set_block_size(size)
         for params in (SamplingParams(max_tokens=40), SamplingParams(max_tokens=30, temperature=0.8, seed=3)):
             plain = engine.run([Sequence(p, params, frozenset()) for p in prompts], use_draft=False)
             spec = engine.run([Sequence(p, params, frozenset()) for p in prompts], use_draft=True)
-            for p, s in zip(plain, spec):
-                assert s.output_ids == p.output_ids
-                assert all(1 <= a <= size for a in s.stats.accept_lengths) and s.stats.accept_lengths
+            yield from ((size, p, s) for p, s in zip(plain, spec))
+
+
+@pytest.mark.parametrize("form", [None, "q8_0"])
+def test_greedy_and_seeded_sampled_dflash2_equal_plain_decoding(engines, form):
+    engine = engines[form]
+    draft = engine.runner.draft
+    assert (draft.block_stack() is None) and (draft.context_stack() is not None) == (form is not None)
+    for size, p, s in plain_and_dflash(engine, (2, 3, 5, 8)):
+        assert s.output_ids == p.output_ids
+        assert all(1 <= a <= size for a in s.stats.accept_lengths) and s.stats.accept_lengths
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from blockspec.layers.selector import walk
 from blockspec.models.loader import load_draft
 from blockspec.sampling_params import SamplingParams
 from blockspec.speculative.selector_tree import selector_tree
-from tests.test_dflash2 import smollm2_dflash2, write_checkpoint  # noqa: F401 - a fixture
+from tests.test_dflash2 import plain_and_dflash, smollm2_dflash2, write_checkpoint  # noqa: F401 - a fixture
 from tests.tiny import TinyEngine, tiny_target_with_draft
 
 CPU = torch.device("cpu")
@@ -100,17 +100,9 @@ def engine(request, tmp_path_factory):
 
 
 def test_dflash2_trees_decode_as_plain_decoding(engine):
-    from blockspec.engine.sequence import Sequence
-
-    prompts = [list(range(10, 40)), [7, 8, 9], list(range(60, 90, 2))]
-    for size in (3, 5):
-        engine.set_block_size(size)
-        for params in (SamplingParams(max_tokens=40), SamplingParams(max_tokens=30, temperature=0.8, seed=3)):
-            plain = engine.run([Sequence(p, params, frozenset()) for p in prompts], use_draft=False)
-            spec = engine.run([Sequence(p, params, frozenset()) for p in prompts], use_draft=True)
-            for p, s in zip(plain, spec):
-                assert s.output_ids == p.output_ids
-                assert s.stats.tree_steps > 0
+    for _, p, s in plain_and_dflash(engine, (3, 5)):
+        assert s.output_ids == p.output_ids
+        assert s.stats.tree_steps > 0
 
 
 def test_dflash2_trees_on_smollm2_decode_as_plain_decoding(smollm2_dflash2):

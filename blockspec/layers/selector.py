@@ -53,20 +53,23 @@ class CandidateSelector(nn.Module):
         at the drafted positions [b, γ, H], their candidates' unary scores [b, γ, K] and ids [b, γ, K],
         and the anchors [b]. Position 0's rows all hold the anchor's edges."""
         b, _, k = candidates.shape
-        projected = self.hidden_projection(hidden).float()  # [b, γ, r]
         predecessors = torch.cat([anchor.view(b, 1, 1).expand(b, 1, k), candidates[:, :-1]], dim=1)
-        left = F.embedding(predecessors, self.predecessor_codebook).float() * projected.unsqueeze(2)
-        right = F.embedding(candidates, self.successor_codebook).float()  # [b, γ, K, r]
-        return unary.float().unsqueeze(2) + left @ right.transpose(-1, -2)
+        return self.scores(hidden, unary, candidates, predecessors)
 
     def edges(self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor,
               predecessors: torch.Tensor) -> torch.Tensor:
         """One lattice row per position: the scores fp32 [N, K] of candidates [N, K] (unary [N, K]) after
         a given predecessor [N] each, for hidden states [N, H] (training's teacher-forced rows)."""
-        projected = self.hidden_projection(hidden).float()  # [N, r]
-        left = F.embedding(predecessors, self.predecessor_codebook).float() * projected
-        right = F.embedding(candidates, self.successor_codebook).float()  # [N, K, r]
-        return unary.float() + (right @ left.unsqueeze(-1)).squeeze(-1)
+        return self.scores(hidden, unary, candidates, predecessors.unsqueeze(-1)).squeeze(-2)
+
+    def scores(self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor,
+               predecessors: torch.Tensor) -> torch.Tensor:
+        """S(p, c) fp32 [..., P, K] from predecessors [..., P] to candidates [..., K] (unary [..., K]) at
+        positions with hidden states [..., H]: the projection runs once per position."""
+        projected = self.hidden_projection(hidden).float().unsqueeze(-2)  # [..., 1, r]
+        left = F.embedding(predecessors, self.predecessor_codebook).float() * projected  # [..., P, r]
+        right = F.embedding(candidates, self.successor_codebook).float()  # [..., K, r]
+        return unary.float().unsqueeze(-2) + left @ right.transpose(-1, -2)
 
 
 @dataclass

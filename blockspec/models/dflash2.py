@@ -1,5 +1,5 @@
-"""DFlash2 drafting: the candidates (the target head's top-K over the draft's output), the selector's
-lattice and walk over them (layers/selector.py), and a DFlash2 draft made from a DFlash one.
+"""DFlash2 drafting: the candidates (the target head's top-K over the draft's output) and the selector's
+lattice over them (its walk: layers/selector.py), and a DFlash2 draft made from a DFlash one.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from dataclasses import replace
 import torch
 
 from blockspec.layers.embedding import LMHead
-from blockspec.layers.selector import Walk, walk
 from blockspec.models.dflash2_config import Dflash2Config
 from blockspec.models.draft import DFlashDraft
 
@@ -42,14 +41,6 @@ def lattice(draft: DFlashDraft, head: LMHead, hidden: torch.Tensor,
     drafted positions [b, γ, H] after the anchors [b] (each block's pending token)."""
     unary, candidates = unary_candidates(head, hidden, draft.config.dflash2, draft.vocab)
     return draft.candidate_selector.lattice(hidden, unary, candidates, anchor), candidates
-
-
-def select_path(draft: DFlashDraft, head: LMHead, hidden: torch.Tensor, anchor: torch.Tensor,
-                temperatures: torch.Tensor | None = None, uniforms: torch.Tensor | None = None) -> Walk:
-    """The walked path through the lattice (`walk`): greedy rows (temperature 0 or None) and rows drawn
-    at their temperature with the given uniforms [b, γ]; with each step's proposal distribution q."""
-    scores, candidates = lattice(draft, head, hidden, anchor)
-    return walk(scores, candidates, temperatures, uniforms)
 
 
 @torch.no_grad()

@@ -186,9 +186,8 @@ class Decoder:
     def draft_trees(self, seqs: list[Sequence], shape: DraftShape) -> list[tuple[Tree, dict[int, Drawn]]]:
         """The draft's candidates per row as a tree, with its sampled nodes: from its top-k per position
         (tree.py) or a DFlash2 draft's selector (`selector_trees`), or its chain where the shape is one (a
-        merged step's draft side). Under "rejection" a
-        sampled row's tree is built spine-first on its sampled chain (rejection.py: the other nodes are
-        deterministic proposals)."""
+        merged step's draft side). Under "rejection" a sampled row's tree is built spine-first on its
+        sampled chain (rejection.py: the other nodes are deterministic proposals)."""
         spec, k = self.speculation, self.speculation.tree_topk
         if not seqs:
             return []
@@ -202,7 +201,7 @@ class Decoder:
             logprobs, ids = self.draft.rank(seqs, spec.block_size, k)
             return [(build_tree(logp, ranked, shape.tree_budget, spec.tree_rule), {})
                     for logp, ranked in zip(logprobs.cpu(), ids.cpu())]
-        logprobs, ids, proposal = self.draft.sampled_tree_material(seqs, spec.block_size, k, spec.accept)
+        logprobs, ids, proposal = self.draft.sampled_tree_material(seqs, spec.block_size, k, temps)
         spines = proposal.tokens.cpu().tolist()
         out = []
         for row, (temp, logp, ranked) in enumerate(zip(temps, logprobs.cpu(), ids.cpu())):
@@ -218,8 +217,8 @@ class Decoder:
         """A DFlash2 draft's trees (selector_tree.py), grown around its greedy walk, or around a sampled
         row's walk under "rejection" (the walk's nodes are its sampled ones)."""
         spec = self.speculation
-        scores, candidates, proposal = self.draft.selector_material(seqs, spec.block_size, spec.accept)
         temps = temperatures(seqs, spec.accept)
+        scores, candidates, proposal = self.draft.selector_material(seqs, spec.block_size, temps)
         out = []
         for row, (row_scores, row_candidates) in enumerate(zip(scores.cpu(), candidates.cpu())):
             if not temps[row]:

@@ -57,12 +57,12 @@ class DFlashProposer:
         return sample_ranked(logprobs, ids, temps, uniforms, self.runner.device)
 
     def sampled_tree_material(self, seqs: list[Sequence], block_size: int, k: int,
-                              rule: AcceptRule) -> tuple[torch.Tensor, torch.Tensor, Proposal]:
-        """One draft pass for trees where rows sample under "rejection": each position's best tokens (as
-        `rank`: k, or as many as a sampled proposal's candidates if more) and the sampled proposal (a
-        sampled row's chain becomes its tree's spine: `tree.with_spine`)."""
+                              temps: list[float]) -> tuple[torch.Tensor, torch.Tensor, Proposal]:
+        """One draft pass for trees where rows sample under "rejection" (`temps`: each row's proposal
+        temperature, `temperatures`): each position's best tokens (as `rank`: k, or as many as a sampled
+        proposal's candidates if more) and the sampled proposal (a sampled row's chain becomes its tree's
+        spine: `tree.with_spine`)."""
         block = self.block(seqs, block_size)
-        temps = temperatures(seqs, rule)
         logprobs, ids = self.runner.draft_ranking(seqs, block, max(k, self.proposal_topk))
         top = self.proposal_topk
         proposal = sample_ranked(logprobs[..., :top], ids[..., :top], temps,
@@ -82,12 +82,11 @@ class DFlashProposer:
         return self.runner.draft_ranking(seqs, self.block(seqs, block_size), k)
 
     def selector_material(self, seqs: list[Sequence], block_size: int,
-                          rule: AcceptRule) -> tuple[torch.Tensor, torch.Tensor, Proposal | None]:
+                          temps: list[float]) -> tuple[torch.Tensor, torch.Tensor, Proposal | None]:
         """One DFlash2 draft pass for selector trees: the edge scores [b, B-1, K, K], the candidates
-        [b, B-1, K] and, where rows sample under "rejection", their walks (each sampled row's tree grows
-        around its walk: selector_tree.py), else None."""
+        [b, B-1, K] and, where rows sample (`temps`, as `temperatures` gives them), their walks (each
+        sampled row's tree grows around its walk: selector_tree.py), else None."""
         scores, candidates = self.runner.draft_lattice(seqs, self.block(seqs, block_size))
-        temps = temperatures(seqs, rule)
         if not any(temps):
             return scores, candidates, None
         uniforms = proposal_uniforms(seqs, block_size - 1)

@@ -47,11 +47,7 @@ def judge(p: torch.Tensor, stages: list[Stage], seed: int, position: int) -> tup
     if not stages:
         return None, draw(r.unsqueeze(0), seed, position, TARGET)[0]
     for index, (token, dist) in enumerate(stages):
-        q = torch.zeros_like(r)
-        if dist is None:
-            q[token] = 1.0
-        else:
-            q[dist[0]] = dist[1].double()
+        q = stage_q(r, token, dist)
         if uniform(seed, position, ACCEPT, index) * float(q[token]) < float(r[token]):
             return index, token
         rest = (r - q).clamp_min_(0.0)
@@ -59,6 +55,17 @@ def judge(p: torch.Tensor, stages: list[Stage], seed: int, position: int) -> tup
         if total > 0:  # all zero only where r <= q everywhere, when the test could not fail but by rounding
             r = rest / total
     return None, draw(r.unsqueeze(0), seed, position, RESIDUAL)[0]
+
+
+def stage_q(like: torch.Tensor, token: int, dist: Drawn | None) -> torch.Tensor:
+    """A stage's proposal distribution over the vocabulary (float64, shaped `like`): its sampled candidates'
+    probabilities, or one-hot at its token for a deterministic one."""
+    q = torch.zeros_like(like)
+    if dist is None:
+        q[token] = 1.0
+    else:
+        q[dist[0]] = dist[1].double()
+    return q
 
 
 def rejection_chain(tokens: list[int], drawn: dict[int, Drawn], probs: torch.Tensor, seed: int,

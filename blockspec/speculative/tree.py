@@ -127,7 +127,6 @@ def build_tree(logprobs: torch.Tensor, ids: torch.Tensor, budget: int, rule: Tre
     return Tree(*(tuple(column) for column in zip(*nodes))) if nodes else Tree((), ())
 
 
-
 def with_spine(logprobs: torch.Tensor, ids: torch.Tensor, spine: list[int],
                k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One row's ranking (logprobs / ids [depth, w], best first) cut to k per position, each position's

@@ -96,6 +96,6 @@ def dflash2_metrics(draft: DFlashDraft, lm_head, hidden: torch.Tensor,
         anchor = blocks.input_ids.view(b, count, steps + 1)[:, :, 0][complete]
         unary, candidates = unary_candidates(lm_head, slots[complete].to(head_dtype), d2, draft.vocab)
         scores = draft.candidate_selector.lattice(slots[complete], unary, candidates, anchor)
-        path = walk(scores, candidates).tokens  # as select_path, the head in its own dtype
+        path = walk(scores, candidates).tokens  # as the engine walks, the head in its own dtype
         out["walk_tau"] = 1.0 + (path == labels[complete]).long().cumprod(dim=-1).sum(-1).float()
         return {k: v.cpu() for k, v in out.items()}
