@@ -57,6 +57,14 @@ class TPGroup:
         dist.all_reduce(x)
         return x
 
+    def sum_parts(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's partial product x, in the order one rank's dense kernel sums (a tree of
+        halves: (r0 + r1) + (r2 + r3), ...), so row-parallel layers give one rank's bits. Two ranks (or
+        a GPU, whose products make no such promise) take a plain all-reduce."""
+        if self.size <= 2 or x.device.type != "cpu":
+            return self.all_reduce(x)
+        return _tree_sum(list(self.all_gather(x).unbind(0)))
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[size, *x.shape]: every rank's x, in rank order."""
         x = x.contiguous()
@@ -96,6 +104,14 @@ class TPGroup:
         self.stats.add("broadcast", 8)
         dist.broadcast(t, src=0)
         return float(t.item())
+
+
+def _tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Ranks hold equal consecutive parts of the inputs: the first half of them, then the rest."""
+    if len(parts) == 1:
+        return parts[0]
+    half = len(parts) - len(parts) // 2
+    return _tree_sum(parts[:half]) + _tree_sum(parts[half:])
 
 
 def best_rank_choice(group: TPGroup, values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

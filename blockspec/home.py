@@ -1,5 +1,4 @@
-"""Where blockspec keeps what it makes once per machine: the converted default model, tuned layouts,
-training caches."""
+"""Where blockspec keeps what it makes once per machine: the converted default model, training caches."""
 
 from __future__ import annotations
 

@@ -128,7 +128,6 @@ class LLM:
             if model is not None:
                 model.rotary.ensure(slab_len)
         self.runner = ModelRunner(self.target, self.draft, cfg.max_num_seqs, slab_len,
-                                  self.speculation.row_counts if self.speculation else (),
                                   prefix_caching=cfg.prefix_caching)
         # No thread count given: on the CPU compute with the CPUs other processes leave free (cpu_load.py)
         adapt = cfg.threads is None and self.device.type == "cpu" and self.tp is None
@@ -176,7 +175,6 @@ class LLM:
                                    f"LLM (its KV slabs were sized for steps of up to {width} tokens); build "
                                    f"the LLM with the largest you will use.")
         setattr(self.speculation, name, value)
-        self.runner.tune_layouts(self.speculation.row_counts)
         if self.mirror is not None and self.tp.rank == 0:
             self.mirror.record(name, value)
 

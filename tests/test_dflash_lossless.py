@@ -21,8 +21,8 @@ from blockspec.models.loader import load_draft, load_target
 from blockspec.sampling_params import SamplingParams
 from blockspec.speculative.proposal import Proposal
 from blockspec.train.features import causal_batch
-from tests.tiny import (ScriptedGovernor, TinyEngine, tiny_target_with_draft, write_tiny_draft,
-                        write_tiny_target)
+from tests.tiny import (ScriptedGovernor, TinyEngine, examples, tiny_target_with_draft,
+                        write_tiny_draft, write_tiny_target)
 
 BLOCK_SIZES = (2, 4, 8, 16)
 DRAFT_VOCAB = torch.cat([torch.arange(0, 12), torch.arange(12, 97, 3)])  # the tiny target has 97 ids
@@ -65,7 +65,8 @@ def use_int8_head(engine, on: bool) -> None:
 prompt_st = st.lists(st.integers(0, 96), min_size=1, max_size=60)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(10), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     prompts=st.lists(prompt_st, min_size=1, max_size=5),
     size=st.sampled_from(BLOCK_SIZES),

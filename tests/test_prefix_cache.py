@@ -20,7 +20,7 @@ from blockspec.engine.scheduler import Scheduler, run_to_completion
 from blockspec.engine.sequence import Sequence
 from blockspec.models.loader import load_draft
 from blockspec.sampling_params import SamplingParams
-from tests.tiny import ScriptedGovernor, TinyEngine, tiny_target_with_draft
+from tests.tiny import ScriptedGovernor, TinyEngine, examples, tiny_target_with_draft
 
 CPU = torch.device("cpu")
 BLOCK = 4
@@ -277,7 +277,8 @@ request_st = st.tuples(st.integers(0, 2), st.integers(0, 30), st.lists(st.intege
                        st.integers(1, 24), st.booleans(), st.integers(0, 6))
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(12), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(stems=st.lists(stem_st, min_size=3, max_size=3), requests=st.lists(request_st, min_size=2, max_size=7),
        slack=st.integers(0, 80), chunk=st.integers(4, 40), use_draft=st.booleans())
 def test_random_workloads_with_shared_prefixes_match_alone(models, stems, requests, slack, chunk,

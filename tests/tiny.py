@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
+
+
+def examples(n: int) -> int:
+    """A property test's example count: n on CI, times $BLOCKSPEC_EXAMPLES_SCALE for a longer search."""
+    return max(1, round(n * float(os.environ.get("BLOCKSPEC_EXAMPLES_SCALE", "1"))))
 
 
 def tiny_hf_config(family: str, **overrides):
@@ -152,14 +158,12 @@ class TinyEngine:
         from blockspec.speculative.plan import Speculation
 
         self.speculation = Speculation(block_size, draft.config.mask_token_id, *lookup, *tree, merge, accept)
-        self.runner = ModelRunner(target, draft, num_slots, max_len, self.speculation.row_counts,
-                                  prefix_caching=prefix_caching)
+        self.runner = ModelRunner(target, draft, num_slots, max_len, prefix_caching=prefix_caching)
         self.dflash = Decoder(self.runner, self.speculation, governor)
         self.plain = Decoder(self.runner)
 
     def set_block_size(self, block_size: int) -> None:
         self.speculation.block_size = block_size
-        self.runner.tune_layouts(self.speculation.row_counts)
 
     def scheduler(self, use_draft: bool, **kwargs):
         from blockspec.engine.scheduler import Scheduler

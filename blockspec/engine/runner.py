@@ -20,8 +20,6 @@ from blockspec.engine.sequence import Sequence
 from blockspec.engine.slots import SlotPool
 from blockspec.layers.forward_batch import ForwardBatch
 from blockspec.layers.kv_cache import KVCache
-from blockspec.layers.layout_tuning import DEFAULT_PROBE_ROWS, tune_layouts
-from blockspec.layers.linear import Linear
 from blockspec.layers.selector import Walk, walk
 from blockspec.models.dflash2 import lattice
 from blockspec.models.draft import DFlashDraft
@@ -48,11 +46,9 @@ def guarded(seq: Sequence, work: Callable[[], T]) -> T | None:
 
 class ModelRunner:
     def __init__(self, target: CausalLM, draft: DFlashDraft | None, num_slots: int, max_len: int,
-                 row_counts: tuple[int, ...] = (), prefill_chunk: int = 512,
-                 prefix_caching: bool = False) -> None:
-        """`row_counts`: the rows per sequence its verify and draft passes will run (block size, lookup
-        width), for which the CPU weight layouts are tuned. `prefix_caching`: schedulers keep finished
-        requests' slots as prefix-cache entries (engine/prefix_cache.py) unless they say otherwise."""
+                 prefill_chunk: int = 512, prefix_caching: bool = False) -> None:
+        """`prefix_caching`: schedulers keep finished requests' slots as prefix-cache entries
+        (engine/prefix_cache.py) unless they say otherwise."""
         self.target, self.draft = target, draft
         self.max_len, self.prefill_chunk = max_len, prefill_chunk
         self.pool = SlotPool(num_slots)
@@ -65,36 +61,7 @@ class ModelRunner:
         self.tp = target.tp  # tensor parallelism's group (None: one rank)
         if draft is not None and draft.embed_tokens is None:
             draft.use_target_embedding(target.embed_tokens)
-        self.tune_layouts(row_counts)
         target.lm_head.choose_greedy_form()
-
-    def tune_layouts(self, row_counts: tuple[int, ...]) -> None:
-        """Time and set the fp32 CPU weight layouts (layout_tuning.py) for one row (a plain step), for each
-        of `row_counts` (batch-1 verify and draft passes) and for batches of them."""
-        if (self.device.type != "cpu" or self.target.dtype != torch.float32
-                or self.target.lm_head.quant is not None):
-            return  # the forms are for dense fp32 CPU weights (blocks have one kernel)
-        if self.tp is not None:
-            return  # timing passes would run collectives outside the ranks' lock-step: stored forms
-        position = min(256, self.max_len - max((DEFAULT_PROBE_ROWS, *row_counts)))  # a typical context
-        if self.slots_available == 0 or position < 0:
-            return  # no free scratch slot to time in (set mid-generation): keep the last plan
-        slot = self.take_slot()
-
-        @torch.inference_mode()
-        def run(rows: int) -> None:
-            ids = torch.randint(0, self.target.config.vocab_size, (1, rows), device=self.device)
-            batch = ForwardBatch.in_cache(self.target_cache, [slot], [position], ids)
-            hidden, _ = self.target(batch, self.capture)
-            self.target.greedy(hidden)
-
-        head = self.target.lm_head
-        linears = [m for model in (self.target, self.draft) if model is not None
-                   for m in model.modules() if isinstance(m, Linear) and m is not head]
-        try:  # the weight copies are made outside inference mode: a grad-mode forward may use them too
-            tune_layouts(linears + [head], run, row_counts)
-        finally:
-            self.pool.free(slot)
 
     # ---- slots --------------------------------------------------------------------------------------
     @property

@@ -60,7 +60,7 @@ inline bool avx2_fma() {
   return available;
 }
 #else
-inline inline bool avx2_fma() { return false; }
+inline bool avx2_fma() { return false; }
 #endif
 
 inline float exp1(float x) { return x < kMinExpArg ? 0.0f : std::exp(x); }

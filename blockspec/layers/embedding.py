@@ -17,7 +17,9 @@ from blockspec.layers.quant import Blocks, QuantType, QuantWeight
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        # Column-major, as a Linear stores its weight: a tied LM head then streams it as the dense kernel
+        # reads best (a lookup gathers a token's row from strided memory: once per token, cheap).
+        self.weight = nn.Parameter(torch.empty(hidden_size, vocab_size).t())
         self.quant: QuantWeight | None = None  # the table as GGUF blocks instead (use_blocks)
         self.vocab_size = vocab_size
         # vocabulary-parallel (shard_vocab): this rank holds rows [start, stop) = vocab_range
@@ -29,7 +31,8 @@ class Embedding(nn.Module):
         each rank's rows (zeros for ids it does not hold) summed across ranks."""
         self.tp, self.vocab_range = group, shard_range(self.vocab_size, group)
         start, stop = self.vocab_range
-        self.weight = nn.Parameter(torch.empty(stop - start, self.weight.shape[1], dtype=self.weight.dtype))
+        hidden, dtype = self.weight.shape[1], self.weight.dtype
+        self.weight = nn.Parameter(torch.empty(hidden, stop - start, dtype=dtype).t())
 
     def source(self, name: str) -> Source | None:
         start, stop = self.vocab_range
@@ -84,7 +87,6 @@ class LMHead(Linear):
             self.weight = tied_to.weight  # the embedding owns it; it is not a checkpoint tensor of ours
             object.__setattr__(self, "tied_to", tied_to)  # not a submodule: the model holds it already
         self.int8: Int8ArgmaxHead | None = None  # the greedy form (choose_greedy_form)
-        self.plan: dict[int, str] | None = None
         # (int8 form, vocab) it was built for, this rank's ids of that vocab and their sub-head
         self._subsets: tuple | None = None
         self._vocab_head: tuple | None = None  # (vocab, its rows' head): logits_over
@@ -110,15 +112,8 @@ class LMHead(Linear):
         if self.tied_to.quant is None:
             raise ValueError("LMHead.use_blocks: a tied head takes its embedding's blocks: switch the "
                              "embedding first.")
-        self.quant, self.weight, self.layout = self.tied_to.quant, None, None
+        self.quant, self.weight = self.tied_to.quant, None
         self._subsets = self._vocab_head = None
-
-    def set_layouts(self, plan: dict[int, str] | None, copies: bool = False) -> None:
-        """As `Linear.set_layouts`, but a 100 MB head is never copied: it takes only the forms its stored
-        weight allows (all of them for a tied head, whose weight is the row-major embedding)."""
-        self.plan = plan
-        self._subsets = self._vocab_head = None
-        super().set_layouts(plan, copies)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits [..., V] over the whole vocabulary (gathered from every rank under TP)."""
@@ -226,13 +221,12 @@ class LMHead(Linear):
         return (sub.scores(h) if sub is not None else None), ids
 
     def rows(self, ids: torch.Tensor) -> LMHead:
-        """A head over the token ids `ids` only (a copy of those rows, in this head's forms)."""
+        """A head over the token ids `ids` only (a copy of those rows: the same logits, bit for bit)."""
         sub = LMHead(self.in_features, ids.numel())
         if self.quant is not None:
             sub.quant, sub.weight = self.quant.rows(ids), None
             return sub
-        sub.weight = nn.Parameter(self.weight.detach()[ids].contiguous(), requires_grad=False)
-        sub.set_layouts(self.plan)
+        sub.weight = nn.Parameter(self.weight.detach()[ids].t().contiguous().t(), requires_grad=False)
         sub.int8 = None if self.int8 is None else self.int8.rows(ids)
         return sub
 

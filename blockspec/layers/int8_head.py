@@ -3,8 +3,9 @@
 On CPU a decode step is bound by reading weights, and SmolLM2's fp32 LM head is a fifth of them.
 Greedy decoding needs only the argmax, so we first score every token with an int8 copy of the head
 (bf16 activations, `torch._weight_int8pack_mm`), bound each score's error rigorously, and compute
-exact fp32 logits only for the few tokens whose bound reaches the best lower bound. The result is
-the fp32 argmax (ties to the lowest id, like `torch.argmax`); typically 1-5 rows are recomputed.
+exact fp32 logits (`dense_product`'s) only for the few tokens whose bound reaches the best lower bound.
+The result is the argmax of the fp32 logits (ties to the lowest id, like `torch.argmax`); typically 1-5
+rows are recomputed.
 
 Error bound for token v with scale s_v (|q| <= 127 so |w| <= 127.5 s_v), h the fp32 input:
   bf16 rounding of h:        <= 2^-9 * 127.5 s_v * |h|_1   (0.249 s_v |h|_1)
@@ -17,6 +18,8 @@ so we use (0.76 + accumulation term) * s_v * |h|_1 + 2^-8 |score|.
 from __future__ import annotations
 
 import torch
+
+from blockspec.layers.dense import dense_product
 
 
 class Int8ArgmaxHead:
@@ -66,6 +69,6 @@ class Int8ArgmaxHead:
         # A token outside every row's candidate set scores below that row's best lower bound, so taking
         # the union of all rows' candidates leaves each row's argmax unchanged.
         candidates = (approx + bound >= best_low).any(dim=0).nonzero().squeeze(1)
-        exact = h @ self.weight[candidates].t()
+        exact = dense_product(h, self.weight[candidates])  # the bits the full head gives these rows
         best = exact.argmax(dim=-1)
         return exact.gather(-1, best.unsqueeze(-1)).squeeze(-1), candidates[best]

@@ -7,12 +7,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from blockspec.distributed import TPGroup
 from blockspec.errors import ModelLoadError
-from blockspec.layers.layout import Layout, stored_product
+from blockspec.layers.dense import LEVELS, dense_product
 from blockspec.layers.quant import BLOCK, Blocks, QuantType, QuantWeight
 
 # A checkpoint tensor's part this rank loads: (dim, start, length, the tensor's full size along dim).
@@ -33,13 +32,11 @@ class Linear(nn.Module):
         self.shard_names = tuple(shard_names) if shard_names is not None else None
         self.in_features = in_features
         self.out_features = sum(self.shards)
-        # Logically [out, in] like every checkpoint, stored column-major: F.linear then runs x @ W^T as a
-        # plain NN GEMM, which MKL does 1.5-3x faster than the NT form for the 2-16 token rows of a
-        # verify block or prefill chunk on CPU (decode GEMVs are unaffected).
+        # Logically [out, in] like every checkpoint, stored column-major: the dense kernel then reads each
+        # input's weights for a slab of outputs as one contiguous run (and a BLAS runs an NN GEMM).
         self.weight = nn.Parameter(torch.empty(in_features, self.out_features).t())
         self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
         self.quant: QuantWeight | None = None  # the weight as GGUF blocks instead (use_blocks)
-        self.layout: Layout | None = None  # the CPU GEMM forms chosen for inference (set_layouts)
         # Tensor parallelism (shard_columns / shard_rows): this rank's group, and the part of each fused
         # checkpoint tensor it holds.
         self.tp: TPGroup | None = None
@@ -66,7 +63,6 @@ class Linear(nn.Module):
                     f"--quantization none.")
         self.quant = QuantWeight(self.out_features, self.in_features, qtype)
         self.weight = None
-        self.layout = None
 
     # ---- tensor parallelism (before loading) ---------------------------------------------------------
     def shard_columns(self, group: TPGroup, parts: Sequence[tuple[int, int]]) -> None:
@@ -78,12 +74,12 @@ class Linear(nn.Module):
 
     def shard_rows(self, group: TPGroup, start: int, length: int) -> None:
         """Row-parallel: hold only input columns [start, start + length); each rank's partial product is
-        summed by an all-reduce (the bias and residual are added on rank 0 only)."""
+        summed across ranks (then the bias and residual are added, as one rank adds them to its sum)."""
         self.sources = [(1, start, length, self.in_features)] * len(self.shards)
         self._reshape(group, "row", length, self.out_features)
 
     def _reshape(self, group: TPGroup, parallel: str, in_features: int, out_features: int) -> None:
-        if self.quant is not None or self.layout is not None:
+        if self.quant is not None:
             raise ValueError("Linear: shard a layer before choosing its storage or loading it.")
         self.tp, self.parallel = group, parallel
         self.in_features, self.out_features = in_features, out_features
@@ -124,7 +120,6 @@ class Linear(nn.Module):
             self.quant.load_rows(rows, tensor)
         else:
             self.weight[rows].copy_(tensor.dequantize() if isinstance(tensor, Blocks) else tensor)
-        self.layout = None  # copies of the old weight are stale
 
     def shard_slice(self, index: int) -> slice:
         start = sum(self.shards[:index])
@@ -139,46 +134,31 @@ class Linear(nn.Module):
     def scale_inputs(self, scale: torch.Tensor) -> None:
         """W <- W diag(scale): the layer now computes what it did on inputs multiplied by `scale`."""
         self.weight.mul_(scale)  # [out, in] * [in]: scales input columns
-        self.layout = None
-
-    def set_layouts(self, plan: dict[int, str] | None, copies: bool = True) -> None:
-        """Multiply in the CPU forms of `plan` (see `Layout`) from now on; None or {}: the stored weight.
-        Forms apply to inference only: with grad enabled the layer multiplies by its stored weight (the
-        copies are detached, and MKL's packed op has no backward)."""
-        if self.quant is None:
-            self.layout = Layout.build(self.weight, self.bias, plan, copies, self.layout)
 
     # ---- compute ----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T (+ b), plus `residual` if given (a residual stream's add, inside the kernel when the
-        weight is held as blocks). Row-parallel: the sum of every rank's part."""
+        """x W^T (+ b), plus `residual` if given (a residual stream's add, inside the kernel). Row-parallel:
+        the sum of every rank's part, then the bias and the residual."""
         if self.parallel != "row":
             return self._product(x, self.bias, residual)
-        if self.tp.rank == 0:
-            return self.tp.all_reduce(self._product(x, self.bias, residual))
-        return self.tp.all_reduce(self._product(x, None, None))
+        out = self.tp.sum_parts(self._product(x, None, None, LEVELS - (self.tp.size - 1).bit_length()))
+        out = out if self.bias is None else out + self.bias
+        return out if residual is None else residual + out
 
-    def _product(self, x: torch.Tensor, bias: torch.Tensor | None,
-                 residual: torch.Tensor | None) -> torch.Tensor:
-        if self.quant is not None:
-            if bias is None:
-                return self.quant.matmul(x, residual)
-            out = self.quant.matmul(x) + bias
-        elif torch.is_grad_enabled():
-            out = F.linear(x, self.weight, bias)
-        elif self.layout is not None and bias is self.bias:
-            out = self.layout(x)
-        else:  # inference: rows round alike whatever their count (layout.py)
-            out = stored_product(x, self.weight, bias)
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+                 levels: int = LEVELS) -> torch.Tensor:
+        if self.quant is None:
+            return dense_product(x, self.weight, bias, residual, max(levels, 0))
+        if bias is None:
+            return self.quant.matmul(x, residual)
+        out = self.quant.matmul(x) + bias
         return out if residual is None else residual + out
 
     def forward_shards(self, x: torch.Tensor, first: int) -> torch.Tensor:
         """Only the outputs of fused parts `first`.. (e.g. k and v of a fused qkv), in the stored form."""
         start = sum(self.shards[:first])
         bias = None if self.bias is None else self.bias[start:]
-        if self.quant is not None:
-            out = self.quant.row_range(start).matmul(x)
-            return out if bias is None else out + bias
-        if torch.is_grad_enabled():
-            return F.linear(x, self.weight[start:], bias)
-        return stored_product(x, self.weight[start:], bias)
+        if self.quant is None:
+            return dense_product(x, self.weight[start:], bias)
+        out = self.quant.row_range(start).matmul(x)
+        return out if bias is None else out + bias

@@ -79,12 +79,6 @@ class Speculation:
         lookup = self.lookup_width if self.lookup_ngram else 0
         return max(max(shape.width for shape in self.shapes), lookup, self.merged_width)
 
-    @property
-    def row_counts(self) -> tuple[int, ...]:
-        """Rows per sequence of its verify and draft passes (for tuning the CPU weight layouts)."""
-        merged = (self.merged_width,) if self.merged_width else ()
-        return (self.block_size, self.lookup_width, *(shape.width for shape in self.shapes[1:]), *merged)
-
 
 @dataclass(frozen=True)
 class StepPlan:
