@@ -3,7 +3,10 @@
 // of the tree's nodes.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+
+#include "simd.h"
 
 namespace blockspec_kernels::dense {
 
@@ -21,11 +24,23 @@ struct Slab {
 void leaf_rows(Variant v, const float* x, int64_t ldx, int64_t rows, const Slab& s, int64_t length,
                float* out, int64_t ldo);
 
+// The same, by register tiles (AVX2 or AVX-512 only): for many rows, where the multiply-adds bound the work.
+void leaf_tiles(Variant v, const float* x, int64_t ldx, int64_t rows, const Slab& s, int64_t length,
+                float* out, int64_t ldo);
+
 // dst[i] = dst[i] + src[i], i < n.
 void add_into(Variant v, float* dst, const float* src, int64_t n);
 
 // pack[k * ldp + j] = w[j * ldw + k] for j < width, k < length.
 void pack_transposed(Variant v, const float* w, int64_t ldw, int64_t width, int64_t length, float* pack,
                      int64_t ldp);
+
+#ifdef BLOCKSPEC_X86
+// An AVX2 mask of the first `valid` of 8 lanes (for maskload / maskstore at a slab's edge).
+AVX2 inline __m256i lanes8(int64_t valid) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(valid, 0, 8))), lane);
+}
+#endif
 
 }  // namespace blockspec_kernels::dense

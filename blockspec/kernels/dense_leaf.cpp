@@ -1,9 +1,11 @@
 // The dense fp32 matmul's inner loops (see dense_matmul.cpp for the order they keep). Each output's leaf is
-// one chain acc = fma(x_k, w_k, acc) from +0 in input order, one vector lane per output; the partial sums
-// live in `out` (L1) and a pass takes 4 inputs at once for up to 4 rows: per 16 outputs it loads the 4
-// inputs' weights once (streamed as the weight is stored), and each row's sums once for 4 fused
-// multiply-adds. The portable, AVX2 and AVX-512 loops compute the same chains, bit for bit. Also the
-// transposes that copy a row-major weight's slab into the column-major form the chains read.
+// one chain acc = fma(x_k, w_k, acc) from +0 in input order, one vector lane per output, computed one of two
+// ways with the same bits. Few rows (a decode step, a verify block): bound by streaming the weights, so the
+// partial sums live in `out` (L1) and a pass takes 4-8 inputs' weights as stored, contiguous runs of a
+// slab's outputs, for up to 4 rows, loading each row's sums once per pass. Many rows (prefill): bound by the
+// multiply-adds, so register tiles hold every chain for the whole leaf. The portable, AVX2 and AVX-512 loops
+// compute the same chains, bit for bit. Also the transposes that copy a row-major weight's slab into the
+// column-major form the chains read, and the adds of the tree's nodes.
 
 #include <algorithm>
 #include <cmath>
@@ -18,8 +20,8 @@ namespace blockspec_kernels::dense {
 namespace {
 
 constexpr int kRows = 4;    // rows a pass carries
-constexpr int kInputs = 4;  // inputs a pass takes
-constexpr int64_t kTiledRows = 2;  // from this many rows, the register tiles
+constexpr int kInputs = 8;  // inputs a pass takes, at most: 8 for 1-2 rows, else 4 (for the broadcasts)
+constexpr int64_t kTiledRows = 12;  // from this many rows, the register tiles
 
 void leaf_portable(const float* x, int64_t ldx, int64_t rows, const Slab& s, int64_t length, float* out,
                    int64_t ldo) {
@@ -44,27 +46,22 @@ DENSE_AVX512 void pass512(const float* x, int64_t ldx, const float* w, int64_t l
   __m512 xb[R][K];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < K; ++i) xb[r][i] = _mm512_set1_ps(x[r * ldx + i]);
   for (int64_t j = 0; j < width; j += 16) {
     const __mmask16 m = width - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (width - j)) - 1);
     __m512 wv[K];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < K; ++i) wv[i] = _mm512_maskz_loadu_ps(m, w + i * ld + j);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       float* o = out + r * ldo + j;
       __m512 acc = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, o);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int i = 0; i < K; ++i) acc = _mm512_fmadd_ps(xb[r][i], wv[i], acc);
       _mm512_mask_storeu_ps(o, m, acc);
     }
   }
-}
-
-AVX2 inline __m256i lanes8(int64_t valid) {
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(valid, 0, 8))), lane);
 }
 
 template <int R, int K, bool Tail>
@@ -78,7 +75,7 @@ AVX2 inline void column8(const __m256 (&xb)[R][K], const float* w, int64_t ld, i
   for (int r = 0; r < R; ++r) {
     float* o = out + r * ldo + j;
     __m256 acc = first ? _mm256_setzero_ps() : Tail ? _mm256_maskload_ps(o, m) : _mm256_loadu_ps(o);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < K; ++i) acc = _mm256_fmadd_ps(xb[r][i], wv[i], acc);
     if (Tail)
       _mm256_maskstore_ps(o, m, acc);
@@ -93,100 +90,21 @@ AVX2 void pass256(const float* x, int64_t ldx, const float* w, int64_t ld, int64
   __m256 xb[R][K];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < K; ++i) xb[r][i] = _mm256_set1_ps(x[r * ldx + i]);
   int64_t j = 0;
   for (; j + 8 <= width; j += 8) column8<R, K, false>(xb, w, ld, j, __m256i{}, first, out, ldo);
   if (j < width) column8<R, K, true>(xb, w, ld, j, lanes8(width - j), first, out, ldo);
 }
 
-// The leaf for rows r < R and outputs j < width (<= 16 V) with every chain in a register for all its inputs:
-// per input V weight vectors and R broadcasts feed R x V multiply-adds (compute-bound row counts).
-template <int R, int V>
-DENSE_AVX512 void tile512(const float* x, int64_t ldx, const float* w, int64_t ld, int64_t width,
-                          int64_t length, float* out, int64_t ldo) {
-  __mmask16 m[V];
-#pragma GCC unroll 4
-  for (int u = 0; u < V; ++u) {
-    const int64_t valid = std::clamp<int64_t>(width - 16 * u, 0, 16);
-    m[u] = static_cast<__mmask16>((1u << valid) - 1);
-  }
-  __m512 acc[R][V];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int u = 0; u < V; ++u) acc[r][u] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < length; ++k) {
-    __m512 wv[V];
-#pragma GCC unroll 4
-    for (int u = 0; u < V; ++u) wv[u] = _mm512_maskz_loadu_ps(m[u], w + k * ld + 16 * u);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 xr = _mm512_set1_ps(x[r * ldx + k]);
-#pragma GCC unroll 4
-      for (int u = 0; u < V; ++u) acc[r][u] = _mm512_fmadd_ps(xr, wv[u], acc[r][u]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int u = 0; u < V; ++u) _mm512_mask_storeu_ps(out + r * ldo + 16 * u, m[u], acc[r][u]);
-}
-
-template <int R, int V>
-AVX2 void tile256(const float* x, int64_t ldx, const float* w, int64_t ld, int64_t width, int64_t length,
-                  float* out, int64_t ldo) {
-  __m256i m[V];
-  bool full = width >= 8 * V;
-#pragma GCC unroll 4
-  for (int u = 0; u < V; ++u) m[u] = lanes8(width - 8 * u);
-  __m256 acc[R][V];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int u = 0; u < V; ++u) acc[r][u] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < length; ++k) {
-    __m256 wv[V];
-#pragma GCC unroll 4
-    for (int u = 0; u < V; ++u)
-      wv[u] = full ? _mm256_loadu_ps(w + k * ld + 8 * u) : _mm256_maskload_ps(w + k * ld + 8 * u, m[u]);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 xr = _mm256_broadcast_ss(x + r * ldx + k);
-#pragma GCC unroll 4
-      for (int u = 0; u < V; ++u) acc[r][u] = _mm256_fmadd_ps(xr, wv[u], acc[r][u]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int u = 0; u < V; ++u) _mm256_maskstore_ps(out + r * ldo + 8 * u, m[u], acc[r][u]);
-}
-
-using Tile = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
-constexpr int kTileRows512 = 6, kTileVectors512 = 4;  // 24 accumulators, 64 outputs
-constexpr int kTileRows256 = 4, kTileVectors256 = 3;  // 12 accumulators, 24 outputs
-constexpr Tile tiles512[kTileRows512] = {tile512<1, 4>, tile512<2, 4>, tile512<3, 4>, tile512<4, 4>,
-                                         tile512<5, 4>, tile512<6, 4>};
-constexpr Tile tiles256[kTileRows256] = {tile256<1, 3>, tile256<2, 3>, tile256<3, 3>, tile256<4, 3>};
-
-// The leaf in strips of the tile's outputs, each strip's weights read by every group of rows from L1.
-void leaf_tiles(const Tile* table, int rows_per_tile, int64_t strip, const float* x, int64_t ldx,
-                int64_t rows, const Slab& s, int64_t length, float* out, int64_t ldo) {
-  for (int64_t j = 0; j < s.width; j += strip)
-    for (int64_t r0 = 0; r0 < rows; r0 += rows_per_tile) {
-      const int64_t group = std::min<int64_t>(rows_per_tile, rows - r0);
-      table[group - 1](x + r0 * ldx, ldx, s.w + j, s.ld, std::min(strip, s.width - j), length,
-                       out + r0 * ldo + j, ldo);
-    }
-}
-
 using Pass = void (*)(const float*, int64_t, const float*, int64_t, int64_t, bool, float*, int64_t);
 
 template <template <int, int> class P>
 constexpr Pass passes[kRows][kInputs] = {
-    {P<1, 1>::run, P<1, 2>::run, P<1, 3>::run, P<1, 4>::run},
-    {P<2, 1>::run, P<2, 2>::run, P<2, 3>::run, P<2, 4>::run},
+    {P<1, 1>::run, P<1, 2>::run, P<1, 3>::run, P<1, 4>::run, P<1, 5>::run, P<1, 6>::run, P<1, 7>::run,
+     P<1, 8>::run},
+    {P<2, 1>::run, P<2, 2>::run, P<2, 3>::run, P<2, 4>::run, P<2, 5>::run, P<2, 6>::run, P<2, 7>::run,
+     P<2, 8>::run},
     {P<3, 1>::run, P<3, 2>::run, P<3, 3>::run, P<3, 4>::run},
     {P<4, 1>::run, P<4, 2>::run, P<4, 3>::run, P<4, 4>::run},
 };
@@ -207,12 +125,13 @@ struct Ymm {
   }
 };
 
-// The leaf in passes of kInputs inputs; within one, rows in groups of kRows (the group's weights are
-// re-read from L1).
+// The leaf in passes of a few inputs; within one, rows in groups of kRows (the group's weights are re-read
+// from L1).
 void leaf_simd(const Pass (&table)[kRows][kInputs], const float* x, int64_t ldx, int64_t rows,
                const Slab& s, int64_t length, float* out, int64_t ldo) {
-  for (int64_t k0 = 0; k0 < length; k0 += kInputs) {
-    const int64_t inputs = std::min<int64_t>(kInputs, length - k0);
+  const int64_t step = rows <= 2 ? 8 : 4;
+  for (int64_t k0 = 0; k0 < length; k0 += step) {
+    const int64_t inputs = std::min<int64_t>(step, length - k0);
     for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
       const int64_t group = std::min<int64_t>(kRows, rows - r0);
       table[group - 1][inputs - 1](x + r0 * ldx + k0, ldx, s.w + k0 * s.ld, s.ld, s.width, k0 == 0,
@@ -269,14 +188,9 @@ AVX2 void add_avx2(float* dst, const float* src, int64_t n) {
 void leaf_rows(Variant v, const float* x, int64_t ldx, int64_t rows, const Slab& s, int64_t length,
                float* out, int64_t ldo) {
 #ifdef BLOCKSPEC_X86
-  // Few rows: bound by streaming the weights (the sums in L1, the weights read as stored); more rows: by the
-  // multiply-adds (the sums in registers). The same chains either way.
-  const bool tiled = rows >= kTiledRows;
-  if (v == kAvx512 && tiled) return leaf_tiles(tiles512, kTileRows512, 16 * kTileVectors512, x, ldx, rows,
-                                               s, length, out, ldo);
+  // Which loop is measured choice (scripts/dense_kernel_bench.py): the same chains either way.
+  if (v != kPortable && rows >= kTiledRows) return leaf_tiles(v, x, ldx, rows, s, length, out, ldo);
   if (v == kAvx512) return leaf_simd(passes<Zmm>, x, ldx, rows, s, length, out, ldo);
-  if (v == kAvx2 && tiled) return leaf_tiles(tiles256, kTileRows256, 8 * kTileVectors256, x, ldx, rows, s,
-                                             length, out, ldo);
   if (v == kAvx2) return leaf_simd(passes<Ymm>, x, ldx, rows, s, length, out, ldo);
 #endif
   leaf_portable(x, ldx, rows, s, length, out, ldo);
