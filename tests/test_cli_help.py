@@ -11,7 +11,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import blockspec
-from blockspec.cli import build_parser
+from blockspec.cli import build_parser, subcommand_parser
 
 ROOT = Path(blockspec.__file__).parent
 
@@ -71,3 +71,21 @@ def test_imports_flow_one_way():
             upper = order + ["llm", "server", "bench", "train", "terminal"]
             assert name.split(".")[1] not in upper, (base, name)
     assert "blockspec.llm" not in imports_of(ROOT / "ranks.py")
+
+
+def help_of(*command: str) -> str:
+    parser = build_parser()
+    return (parser if not command else subcommand_parser(parser, command[0])).format_help()
+
+
+def test_help_reads_as_meant():
+    """`blockspec --help` says what runs by default; `--no-ui` does not read as if the page were off;
+    eval-draft's table goes to stdout, as its help says."""
+    top = " ".join(help_of().split())
+    assert "defaults, for every command: the embedded SmolLM2-135M-Instruct" in top
+    assert "COMMAND --help` lists a command's flags, each with its default" in top
+    serve = " ".join(help_of("serve").split())
+    assert "--no-ui do not serve the chat page at / (default: the page is served;" in serve
+    assert "(default: on)" not in serve
+    evaluate = " ".join(help_of("eval-draft").split())
+    assert "only the table, on stdout" in evaluate and "stderr" not in evaluate

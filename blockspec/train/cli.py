@@ -34,9 +34,10 @@ def register(sub) -> None:
     a("--target-layer-ids", nargs="+", default=None,
       help="target layers whose hidden states feed the draft (default: --num-target-features of them spread "
       "over 1..L-3)")
-    a("--num-target-features", type=int, default=5, help="how many target layers to tap by default")
+    a("--num-target-features", type=int, default=5, help="how many target layers to tap when --target-layer-ids is not given")
     a("--mask-token-id", type=int, default=None,
-      help="default: the tokenizer's mask token or a spare special token")
+      help="the mask token the draft fills, by its id (default: the tokenizer's mask token or a spare "
+      "special token)")
     a("--mask-token", default=None, help="the mask token by its text (default: as --mask-token-id)")
     a("--data", default="stdlib", help="training text, a comma list of: stdlib (Python's standard library "
       "source), pydoc (its documentation), responses:N (N of the target's own answers), PATH.jsonl")

@@ -38,7 +38,7 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: the CPUs this process may use)")
     p.add_argument("--json", dest="json_path", default=None, metavar="OUT.json",
-                   help="write the results here (default: only the table on stderr)")
+                   help="write the results here too (default: only the table, on stdout)")
     p.set_defaults(func=run_eval_draft)
 
 
