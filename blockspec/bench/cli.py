@@ -267,7 +267,10 @@ def llama_cpp_method(llm, args: argparse.Namespace):
     if args.model_path is not None:
         raise BlockspecError("--baseline llama.cpp runs the embedded model's GGUF, the file blockspec runs "
                              "by default; drop --model-path to compare on it.")
-    return LlamaCppMethod(llm, gguf_path(), args.threads or torch_threads())
+    from blockspec.device import allowed_cpus
+
+    threads = min(args.threads, allowed_cpus()) if args.threads else torch_threads()  # capped as ours
+    return LlamaCppMethod(llm, gguf_path(), threads)
 
 
 def torch_threads() -> int:

@@ -156,6 +156,9 @@ def _resolve_mask(raw: dict, dcfg: dict, source: str, has_embed: bool, bound: in
         _int(cfg_id, id_where, source, minimum=0)
     if cli_id is not None:
         _int(cli_id, setting("mask_token_id"), "given", minimum=0, fix="Pass an existing token id.")
+        if bound is not None and cli_id >= bound:  # before any other judgement: no id this large exists
+            own = f" (the draft's own: {cfg_id})" if cfg_id is not None else ""
+            raise _out_of_range(f"{setting('mask_token_id')}={cli_id}", "given", has_embed, bound, own)
         if cfg_id is not None and cfg_id != cli_id:
             warn(f"DFLASH {setting('mask_token_id')}={cli_id} overrides the draft's {id_where}={cfg_id} "
                  f"({source}); "
@@ -173,6 +176,8 @@ def _resolve_mask(raw: dict, dcfg: dict, source: str, has_embed: bool, bound: in
                 f"{setting('mask_token_id')} with an id.")
         warn(f"DFLASH {source}: {token_where}={token!r} is not in the target tokenizer's vocabulary; using "
              f"{where}={explicit}.")
+    if explicit is not None and bound is not None and explicit >= bound:
+        raise _out_of_range(f"{where}={explicit}", source, has_embed, bound)
     if explicit is not None and vocab_id is not None and vocab_id != explicit:
         raise DraftConfigError(
             f"DFLASH config mismatch: {where}={explicit} conflicts with the tokenizer, which maps "
@@ -194,12 +199,16 @@ def _resolve_mask(raw: dict, dcfg: dict, source: str, has_embed: bool, bound: in
         label = f"{where if explicit is not None else 'mask_token_id'}={mask_id}"
         if token is not None:
             label += f" (mask_token={token!r}{', from the tokenizer' if explicit is None else ''})"
-        raise DraftConfigError(
-            f"DFLASH {source}: {label} is outside "
-            f"{vocab_note(has_embed, bound)}; ids must be < {bound}. A new token would need vocab "
-            f"expansion, which blockspec refuses. Use a draft and target from the same release, or pass "
-            f"{setting('mask_token_id')} with a reserved/unused token id < {bound}.")
+        raise _out_of_range(label, source, has_embed, bound)
     return token, mask_id  # type: ignore[return-value]
+
+
+def _out_of_range(label: str, source: str, has_embed: bool, bound: int, own: str = "") -> DraftConfigError:
+    return DraftConfigError(
+        f"DFLASH {source}: {label} is outside {vocab_note(has_embed, bound)}, out of the vocabulary's "
+        f"range: ids must be < {bound}. A new token would need vocab expansion, which blockspec refuses. Use a "
+        f"draft and target from the same release, or pass {setting('mask_token_id')} with a "
+        f"reserved/unused token id < {bound}{own}.")
 
 
 def _block_size(raw: dict, dcfg: dict, source: str, cli: int | None, warn: Warn) -> int:

@@ -9,7 +9,7 @@ import socket
 from pathlib import Path
 
 from blockspec.config import EngineConfig, add_model_args, add_serving_args
-from blockspec.errors import BlockspecError
+from blockspec.errors import BlockspecError, cli_flags
 
 DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024  # blockspec.server.app's default (not imported: fastapi is slow)
 API_KEY_ENV = "BLOCKSPEC_API_KEY"
@@ -107,4 +107,5 @@ def run_serve(args: argparse.Namespace) -> None:
         print(f"chat page: http://{args.host}:{args.port}/", flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
-    GracefulServer(config, app.state.engine, args.shutdown_grace_seconds).run()
+    with cli_flags({}):  # a request's errors name its JSON fields (max_tokens), not this command's flags
+        GracefulServer(config, app.state.engine, args.shutdown_grace_seconds).run()

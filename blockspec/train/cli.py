@@ -59,7 +59,7 @@ def register(sub) -> None:
       "computed from the deepest tapped layer's cached features through its remaining layers "
       "(default 0: hard labels)")
     a("--init", default="target", help="target (draft layers start as the target's top layers), random, "
-      "or a draft folder to continue from (same shape)")
+      "or a draft to continue from (same shape): a folder, or 'default' for the shipped one")
     a("--architecture", choices=["dflash", "dflash2"], default="dflash",
       help="dflash, or dflash2: + a causal convolution around each sublayer and a candidate selector over "
       "the unary top-K, trained with loss = DFlash loss + ALPHA * selector cross-entropy. With --init a "
@@ -106,7 +106,8 @@ def register(sub) -> None:
     a("--stop-after-steps", type=int, default=None,
       help="stop with a checkpoint after N steps, to continue with --resume (default: run to the end)")
     a("--threads", type=int, default=None,
-      help="CPU threads (default: the CPUs this process may use, os.sched_getaffinity)")
+      help="CPU threads, at most the CPUs this process may use (more are capped, with a warning; "
+      "default: those CPUs)")
     a("--json", action="store_true", help="print a JSON summary on stdout")
     p.set_defaults(func=run_train)
 

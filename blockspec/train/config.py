@@ -18,6 +18,7 @@ from blockspec.models.draft import DFlashDraft
 from blockspec.models.draft_config import DraftConfig, default_target_layer_ids, resolve_draft_config
 from blockspec.models.loader import copy_layer, load_draft, model_tensors
 from blockspec.models.target import CausalLM
+from blockspec.paths import draft_folder
 from blockspec.train.dflash2_setup import SELECTOR_INIT_STD, check_architecture, dflash2_keys
 
 SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -86,6 +87,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.output = Path(self.output)
+        self.init = draft_folder(self.init)  # "default": the shipped draft
         self.cache_dir = None if self.cache_dir is None else Path(self.cache_dir)
         positive = ["num_draft_layers", "block_size", "num_target_features", "batch_size", "seq_len",
                     "anchors_per_seq", "save_every", "eval_every", "eval_seqs", "eval_anchors",
@@ -120,8 +122,8 @@ class TrainConfig:
                                  f"> 0.")
         if (self.init not in ("target", "random") and
                 not (Path(self.init).expanduser() / "config.json").is_file()):
-            raise BlockspecError(f"train-draft: {setting('init')}={self.init!r}: use 'target', 'random', or "
-                                 f"a draft folder (config.json + model.safetensors) to continue training "
+            raise BlockspecError(f"train-draft: {setting('init')}={self.init!r}: use 'target', 'random', "
+                                 f"'default' (the shipped draft) or a draft folder (config.json + model.safetensors) to continue training "
                                  f"from.")
         check_architecture(self)
         if self.features not in FEATURES:
