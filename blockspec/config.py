@@ -303,9 +303,10 @@ def add_serving_args(p: argparse.ArgumentParser, default_running: int) -> None:
                         "is ever preempted)")
     g.add_argument("--disable-prefix-caching", "--disable-radix-cache", dest="prefix_caching",
                    action="store_false",
-                   help="do not keep computed prompt prefixes for later requests; kept, a request starting "
-                        "with tokens a finished or running request computed reuses their K/V, target and "
-                        "draft, and prefills only the rest (default: kept; the output is the same either way)")
+                   help="do not keep computed prompt prefixes for later requests; kept, a request "
+                        "starting with tokens a finished or running request computed reuses their K/V, "
+                        "target and draft, and prefills only the rest (default: kept; the output is the "
+                        "same either way)")
     g.add_argument("--prefill-tokens-per-step", type=int, default=None,
                    help="prompt tokens prefilled per engine step (default 512)")
     g.add_argument("--prefill-decode-ratio", type=float, default=None, metavar="R",

@@ -220,8 +220,8 @@ class LLM:
             most, room = setting("max_tokens"), self.max_model_len - len(ids)
             raise RequestError(f"The prompt has {len(ids)} tokens and {most}={params.max_tokens}: together "
                                f"{len(ids) + params.max_tokens} exceed the context length "
-                               f"{setting('max_model_len')}={self.max_model_len}. Shorten the prompt or lower "
-                               f"{most}{f' (to at most {room})' if room > 0 else ''}.")
+                               f"{setting('max_model_len')}={self.max_model_len}. Shorten the prompt or "
+                               f"lower {most}{f' (to at most {room})' if room > 0 else ''}.")
         return Sequence(ids, params, self.stop_ids)
 
     def generate(

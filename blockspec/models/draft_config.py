@@ -206,8 +206,8 @@ def _resolve_mask(raw: dict, dcfg: dict, source: str, has_embed: bool, bound: in
 def _out_of_range(label: str, source: str, has_embed: bool, bound: int, own: str = "") -> DraftConfigError:
     return DraftConfigError(
         f"DFLASH {source}: {label} is outside {vocab_note(has_embed, bound)}, out of the vocabulary's "
-        f"range: ids must be < {bound}. A new token would need vocab expansion, which blockspec refuses. Use a "
-        f"draft and target from the same release, or pass {setting('mask_token_id')} with a "
+        f"range: ids must be < {bound}. A new token would need vocab expansion, which blockspec refuses. Use "
+        f"a draft and target from the same release, or pass {setting('mask_token_id')} with a "
         f"reserved/unused token id < {bound}{own}.")
 
 

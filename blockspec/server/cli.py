@@ -52,7 +52,8 @@ def register(sub) -> None:
                        help="on SIGTERM, how long running requests may finish before they end with an error "
                             "(default 10)")
     serve.add_argument("--no-ui", dest="ui", action="store_false",
-                       help="do not serve the chat page at / (default: the page is served; the API is the same either way)")
+                       help="do not serve the chat page at / (default: the page is served; the API is the "
+                            "same either way)")
     serve.add_argument("--served-model-name", default=None,
                        help="model id in the API (default: the model folder name)")
     serve.add_argument("--log-level", default="info",

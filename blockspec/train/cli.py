@@ -34,7 +34,8 @@ def register(sub) -> None:
     a("--target-layer-ids", nargs="+", default=None,
       help="target layers whose hidden states feed the draft (default: --num-target-features of them spread "
       "over 1..L-3)")
-    a("--num-target-features", type=int, default=5, help="how many target layers to tap when --target-layer-ids is not given")
+    a("--num-target-features", type=int, default=5,
+      help="how many target layers to tap when --target-layer-ids is not given")
     a("--mask-token-id", type=int, default=None,
       help="the mask token the draft fills, by its id (default: the tokenizer's mask token or a spare "
       "special token)")

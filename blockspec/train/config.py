@@ -123,7 +123,8 @@ class TrainConfig:
         if (self.init not in ("target", "random") and
                 not (Path(self.init).expanduser() / "config.json").is_file()):
             raise BlockspecError(f"train-draft: {setting('init')}={self.init!r}: use 'target', 'random', "
-                                 f"'default' (the shipped draft) or a draft folder (config.json + model.safetensors) to continue training "
+                                 f"'default' (the shipped draft) or a draft folder (config.json + "
+                                 f"model.safetensors) to continue training "
                                  f"from.")
         check_architecture(self)
         if self.features not in FEATURES:

@@ -37,8 +37,8 @@ def register(sub) -> None:
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto",
                    help="where to run (auto: CUDA when visible, else the CPU)")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads, at most the CPUs this process may use (more are capped, with a warning; "
-                        "default: those CPUs)")
+                   help="CPU threads, at most the CPUs this process may use (more are capped, with a "
+                        "warning; default: those CPUs)")
     p.add_argument("--json", dest="json_path", default=None, metavar="OUT.json",
                    help="write the results here too (default: only the table, on stdout)")
     p.set_defaults(func=run_eval_draft)
