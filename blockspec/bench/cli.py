@@ -98,7 +98,7 @@ def register(sub) -> None:
     add_model_args(p)
     p.set_defaults(func=run_bench_command)
 
-    from blockspec.bench.serving import run_bench_serving
+    from blockspec.bench.serving_command import run_bench_serving
 
     p = sub.add_parser("bench-serving",
                        help="output tokens/s at several concurrencies, DFlash vs plain decoding")

@@ -22,7 +22,6 @@ from tqdm import tqdm
 
 from blockspec.device import resolve_device
 from blockspec.errors import BlockspecError, setting
-from blockspec.layers.forward_batch import ForwardBatch
 from blockspec.models.config import ModelConfig
 from blockspec.models.default_model import ensure_default_model
 from blockspec.models.draft import DFlashDraft
@@ -30,15 +29,15 @@ from blockspec.models.loader import save_draft
 from blockspec.models.tokenizer import Tokenizer
 from blockspec.paths import check_folder, check_output_folder
 from blockspec.train import data as D
-from blockspec.train.config import (SAVE_DTYPES, TrainConfig, init_draft, load_init_weights,
-                                    make_draft_config, resolve_train_dtype)
+from blockspec.train.config import SAVE_DTYPES, TrainConfig, resolve_train_dtype
 from blockspec.train.dflash2_setup import init_dflash2
-from blockspec.train.features import causal_batch, greedy_labels
 from blockspec.train.model_card import write_model_card
+from blockspec.train.new_draft import init_draft, load_init_weights, make_draft_config
 from blockspec.train.objective import (TrainVocab, build_blocks, cosine_with_warmup, dflash_loss,
                                        greedy_accept_lengths, loss_weights, sample_anchors, steps_in_budget)
 from blockspec.train.prepare import prepare_stores
 from blockspec.train.selector_loss import dflash2_loss, dflash2_metrics
+from blockspec.train.teacher import target_pass, teacher_hidden
 
 
 # --time-budget: steps timed (at most; a linear warm-up over them) before the length is set
@@ -137,30 +136,16 @@ class Trainer:
         ids, labels, feats, lengths, starts = batch
         ids, labels, final = ids.to(self.device), labels.to(self.device), None
         if feats is None:
-            feats, labels, final = self.target_pass(ids, labels)
+            feats, labels, final = target_pass(self.target, ids, labels, self.draft_cfg.target_layer_ids)
         else:
             feats = feats.to(self.device).float()
         anchors, valid = sample_anchors(lengths, starts, count, generator)
         blocks = build_blocks(ids, labels, lengths, anchors.to(self.device), valid.to(self.device),
                               self.draft_cfg.block_size, self.draft_cfg.mask_token_id)
         hidden = self.draft(blocks.forward_batch(), feats)
-        return hidden, blocks, sum(lengths), self.teacher_hidden(feats, blocks, final) if teacher else None
-
-    @torch.no_grad()
-    @torch.autocast("cpu", enabled=False)
-    @torch.autocast("cuda", enabled=False)
-    def target_pass(self, ids: torch.Tensor,
-                    labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """--features online: one causal target forward over the batch in the target's own dtype -> (the
-        tapped features as float32, the labels with each -1 replaced by the target's argmax, the final-normed
-        hidden states (the distillation teacher)). Right padding never reaches real positions."""
-        hidden, feats = self.target(causal_batch(ids), self.draft_cfg.target_layer_ids)
-        rows = (labels < 0).any(dim=1).nonzero().squeeze(1)  # teacher-forced text (responses carry theirs)
-        if rows.numel():
-            labels = labels.clone()
-            labels[rows] = torch.where(labels[rows] < 0, greedy_labels(self.target, hidden[rows]),
-                                       labels[rows])
-        return feats.float(), labels, self.target.norm(hidden)
+        taught = (teacher_hidden(self.target, feats, blocks, self.draft_cfg.target_layer_ids, final)
+                  if teacher else None)
+        return hidden, blocks, sum(lengths), taught
 
     def attach_draft(self, draft: DFlashDraft) -> None:
         """The draft to train; it embeds its blocks with the target's frozen embedding (unless it has its
@@ -180,32 +165,6 @@ class Trainer:
         if self.cfg.distill:
             for i in range(max(self.draft_cfg.target_layer_ids) + 1):
                 self.target.layers[i] = torch.nn.Identity()
-
-    @torch.no_grad()
-    @torch.autocast("cpu", enabled=False)
-    @torch.autocast("cuda", enabled=False)
-    def teacher_hidden(self, feats: torch.Tensor, blocks, final: torch.Tensor | None = None) -> torch.Tensor:
-        """The target's final-normed hidden state at the position each block slot predicts from
-        ([b, count, B-1, H]): `final` when the target just ran (online), else the deepest tapped layer's
-        cached features run through the target's remaining layers in its own dtype (causal; right padding
-        cannot reach real positions)."""
-        b, t, _ = feats.shape
-        size, hidden_size = self.draft_cfg.block_size, self.target_cfg.hidden_size
-        capture, last = self.draft_cfg.target_layer_ids, self.target_cfg.num_hidden_layers - 1
-        deepest = max(capture)
-        column = capture.index(deepest) * hidden_size
-        if final is not None:
-            x = final
-        else:  # a capture of the last layer is already final-normed (HF hidden_states[L])
-            x = feats[..., column : column + hidden_size].to(self.target.dtype)
-        if final is None and deepest < last:
-            positions = torch.arange(t, device=x.device).expand(b, t)
-            x, _ = self.target.run_layers(x, ForwardBatch.standalone(None, positions), deepest + 1)
-            x = self.target.norm(x)
-        # slot k predicts from a+k-1
-        from_pos = blocks.positions.view(b, -1, size)[:, :, :-1].clamp(max=t - 1)
-        gathered = x.gather(1, from_pos.reshape(b, -1, 1).expand(-1, -1, hidden_size))
-        return gathered.view(b, -1, size - 1, hidden_size)
 
     def amp(self):
         """bf16 autocast (fp32 master weights) when --train-dtype resolves to bfloat16."""
