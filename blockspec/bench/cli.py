@@ -124,8 +124,9 @@ def register(sub) -> None:
 
 def run_bench_command(args: argparse.Namespace) -> None:
     from blockspec.bench.datasets import load_dataset, select_subset
-    from blockspec.bench.report import (build_report, command_line, machine_info, now_utc, print_table,
-                                        write_plot)
+    from blockspec.bench.machine import command_line, machine_info, now_utc
+    from blockspec.bench.plot import write_plot
+    from blockspec.bench.report import build_report, print_table
     from blockspec.bench.prefill import check_lengths, print_prefill, run_prefill
     from blockspec.bench.runner import PEERS, EngineMethod, HFMethod, run_bench
     from blockspec.llm import LLM

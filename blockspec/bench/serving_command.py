@@ -16,7 +16,7 @@ from blockspec.sampling_params import SamplingParams
 
 def run_bench_serving(args: argparse.Namespace) -> None:
     from blockspec.bench.datasets import load_dataset, select_subset
-    from blockspec.bench.report import machine_info
+    from blockspec.bench.machine import machine_info
     from blockspec.llm import LLM
 
     try:
@@ -67,7 +67,7 @@ def run_bench_serving(args: argparse.Namespace) -> None:
 
 def finish(args: argparse.Namespace, report: dict) -> None:
     """Write the report (--json) and print its summary on stdout."""
-    from blockspec.bench.report import now_utc
+    from blockspec.bench.machine import now_utc
 
     report = {**report, "date": now_utc(), "command": " ".join(["blockspec"] + sys.argv[1:])}
     if args.json:
