@@ -473,7 +473,7 @@ def test_distillation_teacher_is_the_targets_own_distribution(tiny):
     trainer.attach_draft(DFlashDraft(trainer.draft_cfg))
     reference = load_target(tiny / "target", torch.float32, CPU)
     trainer.freeze_target()
-    batch = trainer.batch("train", [0, 1])
+    batch = trainer.batches.get("train", [0, 1])
     _, blocks, _, teacher = trainer.forward(batch, 4, torch.Generator().manual_seed(0), teacher=True)
     ids, _, _, lengths, _ = batch
     t = ids.shape[1]
@@ -517,8 +517,8 @@ def test_online_features_equal_the_extracted_ones(tiny):
     assert online.online and not disk.online and online.stats["features"] == "online"
     assert ((online.num_train, online.num_eval, online.train_tokens)
             == (disk.num_train, disk.num_eval, disk.train_tokens))
-    ids, labels, feats, lengths, starts = disk.batch("train", [3, 7, 11])
-    o_ids, o_labels, o_feats, *_ = online.batch("train", [3, 7, 11])
+    ids, labels, feats, lengths, starts = disk.batches.get("train", [3, 7, 11])
+    o_ids, o_labels, o_feats, *_ = online.batches.get("train", [3, 7, 11])
     assert o_feats is None and torch.equal(ids, o_ids)
     # text: the target decides
     assert all(bool((o_labels[row, :n] == -1).all()) for row, n in enumerate(lengths))

@@ -1,6 +1,7 @@
-"""What the frozen target computes for training beside the draft: with `--features online` a batch's tapped
-features and greedy labels (`target_pass`), and the distillation teacher, the target's own hidden state
-where each block slot predicts (`teacher_hidden`). Both in the target's own dtype, outside autocast."""
+"""The frozen target in training: what of it a run keeps (`freeze`), and what it computes beside the draft:
+with `--features online` a batch's tapped features and greedy labels (`target_pass`), and the distillation
+teacher, the target's own hidden state where each block slot predicts (`teacher_hidden`). Both in the
+target's own dtype, outside autocast."""
 
 from __future__ import annotations
 
@@ -9,6 +10,20 @@ import torch
 from blockspec.layers.forward_batch import ForwardBatch
 from blockspec.models.target import CausalLM
 from blockspec.train.features import causal_batch, greedy_labels
+
+
+def freeze(target: CausalLM, online: bool, distill: bool, layer_ids: tuple[int, ...]) -> None:
+    """With features on disk training needs only the frozen embedding and LM head, plus, with --distill,
+    the layers above the deepest tapped one (the teacher's distribution); online, the whole target."""
+    target.requires_grad_(False)
+    if online:
+        return
+    keep = ("embed_tokens", "lm_head") + (("layers", "norm", "rotary") if distill else ())
+    for name in [n for n, _ in target.named_children() if n not in keep]:
+        delattr(target, name)
+    if distill:
+        for i in range(max(layer_ids) + 1):
+            target.layers[i] = torch.nn.Identity()
 
 
 @torch.no_grad()
