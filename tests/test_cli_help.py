@@ -1,5 +1,5 @@
 """Help and a light start: every flag's help says what it does and its default; `--version` and
-`blockspec.__version__`; `import blockspec` and `blockspec --help` load no torch; imports flow one way."""
+`blockspec.__version__`; `import blockspec` and `blockspec --help` load no torch; imports flow one way, around no circle."""
 
 from __future__ import annotations
 
@@ -89,3 +89,39 @@ def test_help_reads_as_meant():
     assert "(default: on)" not in serve
     evaluate = " ".join(help_of("eval-draft").split())
     assert "only the table, on stdout" in evaluate and "stderr" not in evaluate
+
+
+def module_imports(path: Path) -> set[str]:
+    """The blockspec modules a file imports at its top level (type-checking imports too; not those inside
+    functions, which run later), as dotted names of files."""
+    tree = ast.parse(path.read_text())
+    nodes = list(tree.body)
+    nodes += [n for node in tree.body if isinstance(node, ast.If) for n in node.body]
+    names = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("blockspec"):
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)  # `from blockspec.x import module`
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names if a.name.startswith("blockspec"))
+    return names
+
+
+def test_no_import_circles():
+    """No file imports one that imports it back, directly or around a loop."""
+    files = {".".join(("blockspec", *p.relative_to(ROOT).with_suffix("").parts)): p
+             for p in ROOT.rglob("*.py")}
+    graph = {name: {m for m in module_imports(path) if m in files and m != name}
+             for name, path in files.items()}
+    done: set[str] = set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        assert name not in trail, f"import circle: {' -> '.join(trail[trail.index(name):] + [name])}"
+        if name in done:
+            return
+        for other in sorted(graph[name]):
+            visit(other, trail + [name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
