@@ -1,5 +1,6 @@
 """Help and a light start: every flag's help says what it does and its default; `--version` and
-`blockspec.__version__`; `import blockspec` and `blockspec --help` load no torch; imports flow one way, around no circle."""
+`blockspec.__version__`; `import blockspec` and `blockspec --help` load no torch; imports flow one way,
+around no circle."""
 
 from __future__ import annotations
 
