@@ -13,8 +13,10 @@ class HelpFormatter(argparse.HelpFormatter):
         text = action.help or ""
         if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS:
             return text
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-            return f"{text} (default: {'on' if action.default else 'off'})"
+        if isinstance(action, argparse._StoreTrueAction):
+            return f"{text} (default: off)"
+        if isinstance(action, argparse._StoreFalseAction):  # `--no-x`: "default: on" would read as its own
+            return f"{text} (default: not given)"
         if action.default is None:
             return text
         return f"{text} (default: %(default)s)"

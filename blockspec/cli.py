@@ -14,11 +14,18 @@ import logging
 import os
 import sys
 
-from blockspec.argparsing import Parser
+from blockspec.argparsing import Parser, RawHelpFormatter
 from blockspec.errors import BlockspecError, cli_flags
 
 # Each has register(sub), which adds its subcommands.
 SUBCOMMANDS = ("blockspec.terminal.cli", "blockspec.bench.cli", "blockspec.server.cli", "blockspec.train.cli")
+EPILOG = """defaults, for every command: the embedded SmolLM2-135M-Instruct target and its
+shipped DFlash draft (block size: the draft's own), greedy sampling, adaptive
+speculation and prompt lookup on; CUDA when visible, else the CPU with the
+threads other processes leave free.
+
+`blockspec COMMAND --help` lists a command's flags, each with its default;
+docs/cli.md lists every command's."""
 # Settings whose name differs from the dest of the flag that sets them.
 SETTING_DESTS = {"max_tokens": "max_new_tokens"}
 
@@ -37,7 +44,8 @@ def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
 def build_parser() -> Parser:
     from blockspec.version import version
 
-    parser = Parser(prog="blockspec", description="DFlash block-diffusion speculative decoding")
+    parser = Parser(prog="blockspec", description="DFlash block-diffusion speculative decoding",
+                    epilog=EPILOG, formatter_class=RawHelpFormatter)
     parser.add_argument("--version", action="version", version=f"blockspec {version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
     for module in SUBCOMMANDS:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from blockspec.errors import BlockspecError, setting
-from blockspec.paths import check_folder
+from blockspec.paths import check_folder, draft_folder
 
 if TYPE_CHECKING:
     import torch
@@ -116,8 +116,9 @@ class EngineConfig:
             check_folder(self.model_path, "model_path", "a Hugging Face checkpoint folder (config.json, "
                          "*.safetensors, tokenizer.json), or none for the embedded SmolLM2", needs=None)
         if self.draft_model_path is not None:
+            object.__setattr__(self, "draft_model_path", draft_folder(self.draft_model_path))
             check_folder(self.draft_model_path, "draft_model_path", "a DFlash draft folder (config.json and "
-                         "model.safetensors, z-lab format)", needs=None)
+                         "model.safetensors, z-lab format), or 'default' for the shipped one", needs=None)
         device = resolve_device(self.device)
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
@@ -213,8 +214,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="HF target folder (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--draft-model-path", "--speculative-draft-model-path", dest="draft_model_path",
                    default=None, metavar="DIR",
-                   help="DFlash draft folder, z-lab format (default: the shipped draft for the embedded "
-                        "target, none for another)")
+                   help="DFlash draft folder, z-lab format, or 'default': the shipped draft of the embedded "
+                        "target (default: that draft for the embedded target, none for another)")
     g.add_argument("--speculative-algorithm", type=str.upper, choices=list(ALGORITHMS), default=None,
                    help="DFLASH: speculate with the draft; NONE: plain decoding (default: DFLASH when a "
                         "draft is in use)")
@@ -277,9 +278,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="context length in tokens (default: the target's, at most 4096)")
     g.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="CPU threads (default: the CPUs this process may use, os.sched_getaffinity and a "
-                        "cgroup quota, and between engine steps only those other processes leave free; with "
-                        "--tp-size on the CPU, shared out among the ranks)")
+                   help="CPU threads, at most the CPUs this process may use (its affinity mask and cgroup "
+                        "quota; more are capped, with a warning) (default: those CPUs, and between engine "
+                        "steps only those other processes leave free; with --tp-size on the CPU, shared out "
+                        "among the ranks)")
     g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks: the engine starts them itself, or runs as one of them under "
                         "torchrun (default 1)")
@@ -301,9 +303,10 @@ def add_serving_args(p: argparse.ArgumentParser, default_running: int) -> None:
                         "is ever preempted)")
     g.add_argument("--disable-prefix-caching", "--disable-radix-cache", dest="prefix_caching",
                    action="store_false",
-                   help="do not keep computed prompt prefixes for later requests (default: kept: a request "
+                   help="do not keep computed prompt prefixes for later requests; kept, a request "
                         "starting with tokens a finished or running request computed reuses their K/V, "
-                        "target and draft, and prefills only the rest; the output is the same either way)")
+                        "target and draft, and prefills only the rest (default: kept; the output is the "
+                        "same either way)")
     g.add_argument("--prefill-tokens-per-step", type=int, default=None,
                    help="prompt tokens prefilled per engine step (default 512)")
     g.add_argument("--prefill-decode-ratio", type=float, default=None, metavar="R",

@@ -26,6 +26,7 @@ from blockspec.models.loader import load_draft, load_target
 from blockspec.models.parallel import check_tp
 from blockspec.models.tokenizer import Tokenizer
 from blockspec.outputs import RequestOutput, StreamDelta, request_output
+from blockspec.paths import SHIPPED_DRAFT as DEFAULT_DRAFT  # noqa: F401 - named here too
 from blockspec.ranks import build_together, follow, join_spawned, rank_threads, start_ranks, stop
 from blockspec.sampling_params import SamplingParams
 from blockspec.speculative.decoder import Decoder
@@ -33,8 +34,6 @@ from blockspec.speculative.governor import SpecGovernor
 from blockspec.speculative.plan import Speculation
 
 log = logging.getLogger("blockspec")
-
-DEFAULT_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-dflash"
 
 
 class LLM:
@@ -146,7 +145,7 @@ class LLM:
         self._closed = True
         if self.tp.rank == 0:
             stop(self.tp, self.mirror, self._processes)
-        set_threads(self._threads)
+        torch.set_num_threads(self._threads)  # as it was before this LLM
 
     @property
     def block_size(self) -> int:
@@ -216,11 +215,11 @@ class LLM:
         if bad:
             raise RequestError(f"Prompt token ids {bad[:5]!r} are outside the vocabulary [0, {vocab}).")
         if len(ids) + params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"The prompt has {len(ids)} tokens and max_tokens={params.max_tokens}: together "
-                f"{len(ids) + params.max_tokens} exceed the context length "
-                f"max_model_len={self.max_model_len}. Shorten the prompt or lower max_tokens."
-            )
+            most, room = setting("max_tokens"), self.max_model_len - len(ids)
+            raise RequestError(f"The prompt has {len(ids)} tokens and {most}={params.max_tokens}: together "
+                               f"{len(ids) + params.max_tokens} exceed the context length "
+                               f"{setting('max_model_len')}={self.max_model_len}. Shorten the prompt or "
+                               f"lower {most}{f' (to at most {room})' if room > 0 else ''}.")
         return Sequence(ids, params, self.stop_ids)
 
     def generate(

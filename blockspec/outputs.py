@@ -34,7 +34,8 @@ class RequestOutput:
         return self.stats.accept_lengths
 
     @property
-    def mean_accept_length(self) -> float:
+    def mean_accept_length(self) -> float | None:
+        """tau, None where no DFlash step was taken."""
         return self.stats.mean_accept_length
 
     @property

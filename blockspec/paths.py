@@ -8,6 +8,11 @@ from pathlib import Path
 
 from blockspec.errors import BlockspecError, ModelLoadError, setting
 
+# The draft that ships with blockspec for the embedded target; "default" names it wherever a draft folder
+# is asked for, so commands read the same from any folder.
+SHIPPED_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-dflash"
+SHIPPED_DRAFT_NAME = "default"
+
 GGUF_HELP = ("blockspec reads Hugging Face checkpoint folders (config.json, *.safetensors, tokenizer.json); "
              "a GGUF file runs only as the embedded SmolLM2 (give no model path for it). For this model, "
              "point {name} at its original Hugging Face folder: quantization q8_0, q4_0 or q4_1 then holds "
@@ -29,6 +34,11 @@ def check_folder(path: str | Path, name: str, what: str, needs: str | None = "co
     if needs is not None and not (folder / needs).is_file():
         raise ModelLoadError(f"{flag}={str(path)!r} has no {needs}: pass {what}.")
     return folder
+
+
+def draft_folder(path: str) -> str:
+    """A draft folder as given, with "default" read as the shipped draft's."""
+    return str(SHIPPED_DRAFT) if path == SHIPPED_DRAFT_NAME else path
 
 
 def check_output_file(path: str | Path, name: str) -> Path:

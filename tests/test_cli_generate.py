@@ -71,6 +71,15 @@ def test_bad_input_exits_2(tiny, args, message):
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_length_error_names_the_flags(tiny):
+    """Too many new tokens for the context: the message names --max-new-tokens, not the API's max_tokens."""
+    target, draft = tiny
+    proc = run_cli("hi", "--model-path", target, "--draft-model-path", draft, "--max-new-tokens", "99999")
+    assert proc.returncode == 2, proc.stderr
+    assert "--max-new-tokens=99999" in proc.stderr and "--max-model-len=" in proc.stderr
+    assert "max_tokens" not in proc.stderr and "lower --max-new-tokens (to at most" in proc.stderr
+
+
 def test_api_lengths_and_prompts(tiny):
     target, draft = tiny
     llm = LLM(model_path=target, draft_model_path=draft, max_model_len=64)

@@ -1,5 +1,6 @@
 """Help and a light start: every flag's help says what it does and its default; `--version` and
-`blockspec.__version__`; `import blockspec` and `blockspec --help` load no torch; imports flow one way."""
+`blockspec.__version__`; `import blockspec` and `blockspec --help` load no torch; imports flow one way,
+around no circle."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import blockspec
-from blockspec.cli import build_parser
+from blockspec.cli import build_parser, subcommand_parser
 
 ROOT = Path(blockspec.__file__).parent
 
@@ -71,3 +72,57 @@ def test_imports_flow_one_way():
             upper = order + ["llm", "server", "bench", "train", "terminal"]
             assert name.split(".")[1] not in upper, (base, name)
     assert "blockspec.llm" not in imports_of(ROOT / "ranks.py")
+
+
+def help_of(*command: str) -> str:
+    parser = build_parser()
+    return (parser if not command else subcommand_parser(parser, command[0])).format_help()
+
+
+def test_help_reads_as_meant():
+    """`blockspec --help` says what runs by default; `--no-ui` does not read as if the page were off;
+    eval-draft's table goes to stdout, as its help says."""
+    top = " ".join(help_of().split())
+    assert "defaults, for every command: the embedded SmolLM2-135M-Instruct" in top
+    assert "COMMAND --help` lists a command's flags, each with its default" in top
+    serve = " ".join(help_of("serve").split())
+    assert "--no-ui do not serve the chat page at / (default: the page is served;" in serve
+    assert "(default: on)" not in serve
+    evaluate = " ".join(help_of("eval-draft").split())
+    assert "only the table, on stdout" in evaluate and "stderr" not in evaluate
+
+
+def module_imports(path: Path) -> set[str]:
+    """The blockspec modules a file imports at its top level (type-checking imports too; not those inside
+    functions, which run later), as dotted names of files."""
+    tree = ast.parse(path.read_text())
+    nodes = list(tree.body)
+    nodes += [n for node in tree.body if isinstance(node, ast.If) for n in node.body]
+    names = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("blockspec"):
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)  # `from blockspec.x import module`
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names if a.name.startswith("blockspec"))
+    return names
+
+
+def test_no_import_circles():
+    """No file imports one that imports it back, directly or around a loop."""
+    files = {".".join(("blockspec", *p.relative_to(ROOT).with_suffix("").parts)): p
+             for p in ROOT.rglob("*.py")}
+    graph = {name: {m for m in module_imports(path) if m in files and m != name}
+             for name, path in files.items()}
+    done: set[str] = set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        assert name not in trail, f"import circle: {' -> '.join(trail[trail.index(name):] + [name])}"
+        if name in done:
+            return
+        for other in sorted(graph[name]):
+            visit(other, trail + [name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])

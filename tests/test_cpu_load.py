@@ -56,3 +56,23 @@ def test_busy_ticks_reads_this_machine():
     ticks = busy_ticks({0})
     assert ticks is None or ticks > 0
     assert LoadAwareThreads.for_this_process() is None or torch.get_num_threads() >= 2
+
+
+def test_more_threads_than_cpus_are_capped_with_a_warning(monkeypatch, caplog):
+    """--threads 999 on 2 CPUs decoded ~300x slower, silently: now it warns and uses the 2."""
+    import logging
+
+    import blockspec.device as device
+
+    previous = torch.get_num_threads()
+    monkeypatch.setattr(device, "allowed_cpus", lambda: 2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="blockspec"):
+            device.set_threads(999)
+        assert torch.get_num_threads() == 2
+        assert "threads=999 is more than the 2 CPUs this process may use" in caplog.text
+        caplog.clear()
+        device.set_threads(1)
+        assert torch.get_num_threads() == 1 and not caplog.text
+    finally:
+        torch.set_num_threads(previous)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from blockspec.models.dflash2 import dflash2_from, lattice, unary_candidates
 from blockspec.models.dflash2_config import Dflash2Config
 from blockspec.models.loader import load_draft, save_draft
 from blockspec.sampling_params import SamplingParams
+from tests.draft_mistakes import DFLASH2, Mistake, edit
 from tests.tiny import TinyEngine, tiny_target_with_draft
 
 CPU = torch.device("cpu")
@@ -270,69 +272,16 @@ def test_greedy_and_sampled_walks_from_the_runner(tiny, tmp_path):
 # ---------------------------------------------------------------- every mistake named, before any weight
 
 
-def edit(folder, config=None, drop=(), reshape=None, add=None) -> None:
-    """Change a written checkpoint: its config.json's dflash_config (None deletes a key) or top level
-    (keys starting with '/'), tensors dropped, replaced by another shape, or added."""
-    from safetensors import safe_open
-
-    raw = json.loads((folder / "config.json").read_text())
-    for key, value in (config or {}).items():
-        where, key = (raw, key[1:]) if key.startswith("/") else (raw["dflash_config"], key)
-        if value is None:
-            where.pop(key, None)
-        else:
-            where[key] = value
-    (folder / "config.json").write_text(json.dumps(raw))
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        tensors = {n: f.get_tensor(n) for n in f.keys() if n not in drop}
-    for name, shape in (reshape or {}).items():
-        tensors[name] = torch.zeros(shape)
-    tensors.update(add or {})
-    save_file(tensors, str(folder / "model.safetensors"))
-
-
-MISTAKES = [
-    ({"conv_kernel_size": None}, {}, r"needs dflash_config.conv_kernel_size, which is missing"),
-    ({"selector_top_k": 0}, {}, r"selector_top_k=0 must be positive"),
-    ({"selector_rank": 2.5}, {}, r"invalid dflash_config.selector_rank=2.5"),
-    ({"conv_group_size": 24}, {}, r"conv_group_size=24 does not divide hidden_size=64"),
-    ({"selector_top_k": 98}, {},
-     r"selector_top_k=98 is larger than the target's vocabulary \(vocab_size=97\)"),
-    ({"/vocab_size": 120}, {}, r"vocab_size=120, but the target's vocabulary has 97 tokens"),
-    ({"output_multiplier": -1}, {}, r"invalid dflash_config.output_multiplier=-1; .*finite number > 0"),
-    ({"final_logit_softcapping": -3.0}, {}, r"final_logit_softcapping=-3.0; .*finite number > 0"),
-    ({"input_embedding_scale": "big"}, {}, r"invalid dflash_config.input_embedding_scale='big'"),
-    ({"block_size": 6, "/block_size": 8}, {}, r"block_size=8 and dflash_config.block_size=6 disagree"),
-    ({"/architectures": ["DFlashDraftModel"]}, {},
-     r"conv_kernel_size=2 is a DFlash2 setting.*DFlash2DraftModel"),
-    ({}, {"drop": ["layers.1.mlp_conv.base_kernel"]},
-     r"missing layers.1.mlp_conv.base_kernel: every layer needs attention_conv and mlp_conv"),
-    ({}, {"drop": ["candidate_selector.successor_codebook"],
-          "add": {"candidate_selector.successor_codebook.weight": torch.zeros(97, 16)}},
-     r"missing candidate_selector.successor_codebook.*with a '.weight' suffix"),
-    ({"selector_rank": 32}, {},
-     r"predecessor_codebook has shape \[97, 16\] \(rank 16\), which disagrees with .*selector_rank=32"),
-    ({"conv_kernel_size": 3}, {}, r"base_kernel has shape \[2, 2, 64\] \(2 taps\).*conv_kernel_size=3"),
-    ({"conv_group_size": 8}, {},
-     r"kernel_projection.weight has shape \[16, 64\] \(16 rows \(group size 16\)\).*conv_group_size=8"),
-    ({}, {"reshape": {"candidate_selector.predecessor_codebook": (90, 16)}},
-     r"predecessor_codebook has 90 rows, but the target's vocabulary has 97 tokens"),
-    ({}, {"add": {"draft_vocab": torch.arange(5)}},
-     r"selector_top_k=8 is larger than the draft's vocabulary \(draft_vocab holds 5 ids\)"),
-]
-
-
-@pytest.mark.parametrize("config,tensors,message", MISTAKES)
-def test_every_config_mistake_is_named_before_a_weight_is_read(tiny, tmp_path, monkeypatch, config, tensors,
-                                                               message):
+@pytest.mark.parametrize("mistake", DFLASH2, ids=lambda m: m.what)
+def test_every_config_mistake_is_named_before_a_weight_is_read(tiny, tmp_path, monkeypatch, mistake):
     from blockspec.errors import DraftConfigError
     from blockspec.models import loader
 
     _, cfg, _, folder = tiny
     write_checkpoint(tmp_path / "d2", cfg, folder / "draft")
-    edit(tmp_path / "d2", config, **tensors)
+    edit(tmp_path / "d2", mistake)
     monkeypatch.setattr(loader, "load_into", lambda *a: pytest.fail("a weight was read"))
-    with pytest.raises(DraftConfigError, match=message):
+    with pytest.raises(DraftConfigError, match=re.escape(mistake.says)):
         load_draft(tmp_path / "d2", cfg, torch.float32, CPU)
 
 
@@ -343,7 +292,7 @@ def test_a_dflash2_mistake_exits_2_through_the_command_line(tiny, tmp_path, caps
     _, cfg, _, folder = tiny
     write_tiny_tokenizer(folder / "target")
     write_checkpoint(tmp_path / "d2", cfg, folder / "draft")
-    edit(tmp_path / "d2", {"conv_group_size": 24})
+    edit(tmp_path / "d2", Mistake("", "", {"conv_group_size": 24}))
     code = main(["generate", "--model-path", str(folder / "target"), "--draft-model-path",
                  str(tmp_path / "d2"), "--max-new-tokens", "2", "ab"])
     err = capsys.readouterr().err

@@ -399,6 +399,17 @@ def test_mask_token_id_bounded_by_target_vocab() -> None:
     assert resolve(smol_draft(dflash_config={"mask_token_id": 49151})).mask_token_id == 49151
 
 
+def test_mask_token_id_out_of_range_says_so_first() -> None:
+    """--mask-token-id 999999 beside a draft whose mask token the tokenizer knows: one error, out of the
+    vocabulary's range (not a warning, then a conflict with the tokenizer blamed)."""
+    raw = smol_draft(dflash_config={"mask_token_id": 2, "mask_token": "<m>", "target_layer_ids": [1, 27]})
+    warnings = Warnings()
+    msg = fails(raw, r"--mask-token-id=999999 is outside the target embedding \(target vocab_size=49152\), "
+                r"out of the vocabulary's range: ids must be < 49152", cli_mask_token_id=999999,
+                token_to_id=vocab({"<m>": 2}), warn=warnings)
+    assert "conflicts" not in msg and "(the draft's own: 2)" in msg and not warnings
+
+
 def test_mask_token_id_bounded_by_draft_embedding_when_it_embeds() -> None:
     raw = smol_draft(has_embed_tokens=True, dflash_config={"mask_token_id": 49152})
     # beyond the target vocab is fine: the draft's embedding is used

@@ -92,3 +92,19 @@ def test_cli_prints_error_and_exits_2(args, message):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_shipped_draft_is_named_default_from_any_folder(tmp_path, monkeypatch):
+    """`--draft-model-path default` (and eval-draft's list, train-draft's --init) is the shipped draft
+    whatever the working folder: README's commands work outside the checkout."""
+    from blockspec.config import EngineConfig
+    from blockspec.paths import SHIPPED_DRAFT, draft_folder
+    from blockspec.train.config import TrainConfig
+
+    monkeypatch.chdir(tmp_path)
+    assert (SHIPPED_DRAFT / "config.json").is_file()
+    assert EngineConfig(draft_model_path="default", device="cpu").draft_model_path == str(SHIPPED_DRAFT)
+    assert [draft_folder(p) for p in "my-draft,default".split(",")] == ["my-draft", str(SHIPPED_DRAFT)]
+    assert TrainConfig(output=str(tmp_path / "out"), init="default").init == str(SHIPPED_DRAFT)
+    with pytest.raises(ModelLoadError, match="or 'default' for the shipped one"):
+        EngineConfig(draft_model_path="defualt", device="cpu")

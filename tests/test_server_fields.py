@@ -144,7 +144,7 @@ def test_throughput_line_while_busy(folders, caplog):
             while engine.scheduler.has_work:
                 engine.scheduler.step()
                 engine._publish()
-                engine.throughput.step(1, [2], engine.snapshot)
+                engine.throughput.step(1, [2], engine.snapshot, 0.011)
                 time.sleep(0.011)
         return [r.getMessage() for r in caplog.records if "tok/s" in r.getMessage()]
 
@@ -169,7 +169,21 @@ def test_throughput_line_prefix_cache_hit_rate_per_interval():
     now = {**gauges, "prefix_cache_hit_tokens_total": 80, "prefix_cache_miss_tokens_total": 60}
     assert log_.line(1.0, now).endswith("| prefix cache hit 75%")  # 30 hits, 10 misses since the start
     log_.interval, log_._since = 1e-9, 0.0
-    log_.step(1, [], now)  # a line: the interval restarts from these totals
+    log_.step(1, [], now, 0.01)  # a line: the interval restarts from these totals
     assert "prefix cache" not in log_.line(1.0, now)  # nothing admitted since
     later = {**now, "prefix_cache_miss_tokens_total": 70}
     assert log_.line(1.0, later).endswith("| prefix cache hit 0%")
+
+
+def test_throughput_line_counts_busy_time_only(caplog):
+    """One request after a minute's idle: its line reports the engine's speed while it stepped, not its
+    tokens averaged over the wait (which read "0.8 tok/s over 67.4 s")."""
+    from blockspec.server.throughput import ThroughputLog
+
+    log_ = ThroughputLog(5.0, speculative=False, snapshot={})
+    log_._since -= 60.0  # the server has been idle for a minute
+    with caplog.at_level(logging.INFO, logger="blockspec.server"):
+        for _ in range(10):
+            log_.step(5, [], {"num_running_requests": 1}, 0.1)
+    lines = [r.getMessage() for r in caplog.records if "tok/s" in r.getMessage()]
+    assert len(lines) == 1 and "| 50.0 tok/s over 0.1 s busy |" in lines[0], lines

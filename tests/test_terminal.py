@@ -199,3 +199,22 @@ def test_a_reader_that_goes_away_is_no_error(tiny):
            f"--max-new-tokens 60 --raw --prompt-lookup-ngram 0 'hello' | head -c 1")
     out = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+
+
+def test_no_draft_steps_is_said_not_a_tau_of_zero():
+    """A DFlash request that drafted nothing (plain and lookup steps only): the line says "no draft steps",
+    and the JSON's tau is null, as the lookup's is without lookup steps."""
+    from blockspec.engine.stats import RequestStats
+    from blockspec.outputs import RequestOutput
+    from blockspec.terminal.render import stats_line
+
+    def output(stats: RequestStats, algorithm: str = "DFLASH") -> RequestOutput:
+        return RequestOutput([1], "ab", [5, 6, 7], "length", algorithm, 4, 0.1, 0.2, stats)
+
+    line = stats_line(output(RequestStats(lookup_accept_lengths=[3], plain_steps=2)))
+    assert "no draft steps (2 plain steps); 1 prompt-lookup steps (tau 3.00)" in line and "tau=" not in line
+    assert RequestStats(plain_steps=2).summary()["mean_accept_length"] is None
+    assert RequestStats().mean_accept_length is None
+    drafted = stats_line(output(RequestStats(accept_lengths=[2, 3], plain_steps=1)))
+    assert "tau=2.50 over 2 DFlash steps + 1 plain steps" in drafted
+    assert "tau" not in stats_line(output(RequestStats(plain_steps=3), "NONE"))

@@ -473,7 +473,7 @@ def test_distillation_teacher_is_the_targets_own_distribution(tiny):
     trainer.attach_draft(DFlashDraft(trainer.draft_cfg))
     reference = load_target(tiny / "target", torch.float32, CPU)
     trainer.freeze_target()
-    batch = trainer.batch("train", [0, 1])
+    batch = trainer.batches.get("train", [0, 1])
     _, blocks, _, teacher = trainer.forward(batch, 4, torch.Generator().manual_seed(0), teacher=True)
     ids, _, _, lengths, _ = batch
     t = ids.shape[1]
@@ -504,6 +504,7 @@ def test_distillation_trains_and_is_validated(tiny):
 def test_online_features_equal_the_extracted_ones(tiny):
     """--features online runs the target per batch: the same features (disk keeps them in fp16), the same
     labels, and the same distillation teacher as the disk path, from sequences held in memory."""
+    from blockspec.train.teacher import target_pass, teacher_hidden
     from blockspec.train.trainer import Trainer
 
     pair = []
@@ -516,19 +517,20 @@ def test_online_features_equal_the_extracted_ones(tiny):
     assert online.online and not disk.online and online.stats["features"] == "online"
     assert ((online.num_train, online.num_eval, online.train_tokens)
             == (disk.num_train, disk.num_eval, disk.train_tokens))
-    ids, labels, feats, lengths, starts = disk.batch("train", [3, 7, 11])
-    o_ids, o_labels, o_feats, *_ = online.batch("train", [3, 7, 11])
+    ids, labels, feats, lengths, starts = disk.batches.get("train", [3, 7, 11])
+    o_ids, o_labels, o_feats, *_ = online.batches.get("train", [3, 7, 11])
     assert o_feats is None and torch.equal(ids, o_ids)
     # text: the target decides
     assert all(bool((o_labels[row, :n] == -1).all()) for row, n in enumerate(lengths))
-    got_feats, got_labels, final = online.target_pass(o_ids, o_labels)
+    layer_ids = online.draft_cfg.target_layer_ids
+    got_feats, got_labels, final = target_pass(online.target, o_ids, o_labels, layer_ids)
     for row, n in enumerate(lengths):
         assert torch.equal(got_labels[row, :n], labels[row, :n])
         assert torch.allclose(got_feats[row, :n], feats[row, :n].float(), atol=2e-2)
     gen = torch.Generator().manual_seed(1)
     blocks = build_blocks(ids, labels, lengths, *sample_anchors(lengths, starts, 4, gen), 4, 5)
-    want = disk.teacher_hidden(feats.float(), blocks)
-    got = online.teacher_hidden(got_feats, blocks, final)
+    want = teacher_hidden(disk.target, feats.float(), blocks, layer_ids)
+    got = teacher_hidden(online.target, got_feats, blocks, layer_ids, final)
     from_pos = blocks.positions.view(3, -1, 4)[:, :, :-1]
     # padding differs (zeros on disk, pad tokens online)
     real = from_pos < torch.tensor(lengths).view(3, 1, 1)

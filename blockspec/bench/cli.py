@@ -98,7 +98,7 @@ def register(sub) -> None:
     add_model_args(p)
     p.set_defaults(func=run_bench_command)
 
-    from blockspec.bench.serving import run_bench_serving
+    from blockspec.bench.serving_command import run_bench_serving
 
     p = sub.add_parser("bench-serving",
                        help="output tokens/s at several concurrencies, DFlash vs plain decoding")
@@ -124,8 +124,9 @@ def register(sub) -> None:
 
 def run_bench_command(args: argparse.Namespace) -> None:
     from blockspec.bench.datasets import load_dataset, select_subset
-    from blockspec.bench.report import (build_report, command_line, machine_info, now_utc, print_table,
-                                        write_plot)
+    from blockspec.bench.machine import command_line, machine_info, now_utc
+    from blockspec.bench.plot import write_plot
+    from blockspec.bench.report import build_report, print_table
     from blockspec.bench.prefill import check_lengths, print_prefill, run_prefill
     from blockspec.bench.runner import PEERS, EngineMethod, HFMethod, run_bench
     from blockspec.llm import LLM
@@ -267,7 +268,10 @@ def llama_cpp_method(llm, args: argparse.Namespace):
     if args.model_path is not None:
         raise BlockspecError("--baseline llama.cpp runs the embedded model's GGUF, the file blockspec runs "
                              "by default; drop --model-path to compare on it.")
-    return LlamaCppMethod(llm, gguf_path(), args.threads or torch_threads())
+    from blockspec.device import allowed_cpus
+
+    threads = min(args.threads, allowed_cpus()) if args.threads else torch_threads()  # capped as ours
+    return LlamaCppMethod(llm, gguf_path(), threads)
 
 
 def torch_threads() -> int:

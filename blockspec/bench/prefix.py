@@ -86,8 +86,8 @@ def run_multi_turn(llm, conversations: list[BenchPrompt], params: SamplingParams
         "turn2_ttft_ratio": round(uncached / cached, 2) if cached else None,
         "turn2_mean_prompt_tokens": round(statistics.fmean(r["turn2_prompt_tokens"] for r in rows), 1),
         "turn2_mean_cached_tokens": round(statistics.fmean(r["cached_tokens"] for r in rows), 1),
-        "turn2_tau_cached": round(taus[True], 3) if algorithm == "DFLASH" else None,
-        "turn2_tau_uncached": round(taus[False], 3) if algorithm == "DFLASH" else None,
+        "turn2_tau_cached": round(taus[True], 3) if taus[True] is not None else None,
+        "turn2_tau_uncached": round(taus[False], 3) if taus[False] is not None else None,
         "outputs_match": sum(r["outputs_match"] for r in rows) / len(rows),
         "per_conversation": rows,
     }

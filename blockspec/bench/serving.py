@@ -1,5 +1,5 @@
-"""`blockspec bench-serving`: output tokens/s against concurrency, DFlash and plain decoding on the same
-engine.
+"""Output tokens/s against concurrency, DFlash and plain decoding on the same engine (`blockspec
+bench-serving`; serving_command.py runs it).
 
 A closed loop per (method, concurrency): `concurrency` requests are kept in the continuous-batching
 scheduler at all times (a finished request is replaced by the next prompt at once) until every
@@ -10,17 +10,12 @@ of a real prompt set through the target's chat template.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
 from collections import deque
 
-from blockspec.config import EngineConfig
 from blockspec.engine.stats import RequestStats
-from blockspec.errors import BlockspecError
-from blockspec.paths import check_output_file
 from blockspec.sampling_params import SamplingParams
 
 
@@ -65,45 +60,9 @@ def closed_loop(llm, prompts: list[list[int]], params: SamplingParams, concurren
     return row, [s.output_ids for s in seqs]
 
 
-def run_bench_serving(args: argparse.Namespace) -> None:
-    from blockspec.bench.datasets import load_dataset, select_subset
-    from blockspec.bench.report import machine_info
-    from blockspec.llm import LLM
-
-    try:
-        levels = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
-    except ValueError as exc:
-        raise BlockspecError(f"--concurrency={args.concurrency!r} must be a comma-separated list of "
-                             f"integers.") from exc
-    if not levels or levels[0] < 1:
-        raise BlockspecError(f"--concurrency={args.concurrency!r} must list integers >= 1.")
-    if args.multi_turn and args.shared_prefix:
-        raise BlockspecError("--multi-turn and --shared-prefix are two benchmarks: run one at a time.")
-    if args.shared_prefix is not None and args.shared_prefix < 1:
-        raise BlockspecError(f"--shared-prefix={args.shared_prefix} must be a number of tokens >= 1.")
-    # multi-turn: a slot for turn 2 without the cache while turn 1's entry waits in another
-    slots = max(2, args.max_num_seqs or 2) if args.multi_turn else args.max_num_seqs or levels[-1]
-    config = EngineConfig.from_args(args, max_num_seqs=slots)
-    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
-    if args.json:
-        check_output_file(args.json, "json")
-    dataset = load_dataset(args.dataset)
-    prompts_meta, note = select_subset(dataset, args.num_prompts, seed=0)
-    if note:
-        print(note, file=sys.stderr)
-    llm = LLM(config)
-    if args.multi_turn or args.shared_prefix:
-        from blockspec.bench.prefix import run_multi_turn, run_shared_prefix
-
-        algorithm = llm.speculative_algorithm
-        report = (run_multi_turn(llm, prompts_meta, params, algorithm) if args.multi_turn else
-                  run_shared_prefix(llm, list(dataset.prompts), args.num_prompts, args.shared_prefix, params,
-                                    levels, algorithm))
-        return finish(args, {"dataset": args.dataset, "speculative_algorithm": algorithm,
-                             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                             "block_size": llm.block_size, "max_running_requests": config.max_num_seqs,
-                             "max_total_tokens": config.max_total_tokens, **report,
-                             "machine": machine_info(llm.device, llm.dtype)})
+def sweep(llm, prompts_meta: list, params: SamplingParams, levels: list[int]) -> list[dict]:
+    """Every method at every concurrency level, interleaved level by level; a row each (and a table on
+    stderr)."""
     chat = llm.tokenizer.chat_template is not None
     prompts = [llm.tokenizer.encode(
                    llm.tokenizer.apply_chat_template([{"role": "user", "content": p.turns[0]}])
@@ -129,21 +88,6 @@ def run_bench_serving(args: argparse.Namespace) -> None:
             print(f"{row['method']:<8}{level:>5}{row['output_tokens_per_s']:>10.1f}{tau:>7}"
                   f"{row['mean_ttft_s']:>9.2f}{row['mean_latency_s']:>11.2f}{match:>7}",
                   file=sys.stderr, flush=True)
-    finish(args, {
-        "dataset": args.dataset, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature, "block_size": llm.block_size,
-        "max_running_requests": config.max_num_seqs,
-        "max_total_tokens": config.max_total_tokens, "rows": rows,
-        "machine": machine_info(llm.device, llm.dtype),
-    })
+    return rows
 
 
-def finish(args: argparse.Namespace, report: dict) -> None:
-    """Write the report (--json) and print its summary on stdout."""
-    from blockspec.bench.report import now_utc
-
-    report = {**report, "date": now_utc(), "command": " ".join(["blockspec"] + sys.argv[1:])}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-    print(json.dumps({k: v for k, v in report.items() if k != "per_conversation"}))

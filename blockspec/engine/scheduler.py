@@ -56,7 +56,7 @@ from blockspec.engine.mirror import Mirror
 from blockspec.engine.prefix_reuse import PrefixReuse, prefill_order
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
-from blockspec.errors import RequestError
+from blockspec.errors import RequestError, setting
 
 MIN_PREFILL_CHUNK = 4  # a prompt still advances this much per step beside any decode batch
 # A prompt token at context length c also attends over c keys: it costs about 1 + c / ATTENTION_KEYS
@@ -139,12 +139,12 @@ class Scheduler:
         need = self.max_need(seq)
         limit = min(self.max_total_tokens, self.runner.max_len)
         if need > limit:
+            most = setting("max_tokens")
             raise RequestError(
-                f"The prompt has {len(seq.prompt_ids)} tokens and max_tokens={seq.params.max_tokens}: with "
+                f"The prompt has {len(seq.prompt_ids)} tokens and {most}={seq.params.max_tokens}: with "
                 f"{self.width} scratch rows per step the request needs {need} KV tokens, more than this "
-                f"engine "
-                f"can hold for one request ({limit}). Shorten the prompt, lower max_tokens, or raise the KV "
-                f"budget (--max-total-tokens) / --max-model-len."
+                f"engine can hold for one request ({limit}). Shorten the prompt, lower {most}, or raise the "
+                f"KV budget ({setting('max_total_tokens')}) / {setting('max_model_len')}."
             )
 
     # ---- requests in and out ---------------------------------------------------------------------

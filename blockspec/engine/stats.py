@@ -36,9 +36,10 @@ class RequestStats:
                             list(self.merged_accept_lengths), self.plain_steps, self.tree_steps)
 
     @property
-    def mean_accept_length(self) -> float:
-        """tau: mean tokens per DFlash verify step (0.0 before the first)."""
-        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+    def mean_accept_length(self) -> float | None:
+        """tau: mean tokens per DFlash verify step; None without one (no draft steps: not 0), as the lookup
+        and merged taus."""
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else None
 
     @property
     def lookup_mean_accept_length(self) -> float | None:
@@ -64,9 +65,10 @@ class RequestStats:
 
     def summary(self) -> dict:
         """The JSON fields every report shares."""
-        lookup_tau, merged_tau = self.lookup_mean_accept_length, self.merged_mean_accept_length
+        tau, lookup_tau, merged_tau = (self.mean_accept_length, self.lookup_mean_accept_length,
+                                       self.merged_mean_accept_length)
         return {"accept_lengths": list(self.accept_lengths),
-                "mean_accept_length": round(self.mean_accept_length, 4),
+                "mean_accept_length": None if tau is None else round(tau, 4),
                 "num_verify_steps": len(self.accept_lengths), "num_tree_steps": self.tree_steps,
                 "num_plain_steps": self.plain_steps,
                 "lookup_accept_lengths": list(self.lookup_accept_lengths),

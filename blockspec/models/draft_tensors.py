@@ -12,7 +12,8 @@ import torch
 
 from blockspec.errors import DraftConfigError
 from blockspec.models.dflash2_config import ARCHITECTURE2, check_dflash2_tensors, dflash2_tensor_shapes
-from blockspec.models.draft_config import DRAFT_VOCAB, DraftConfig, Warn, vocab_note
+from blockspec.models.draft_config import DRAFT_VOCAB, DraftConfig, Warn
+from blockspec.models.mask_token import vocab_note
 
 _log = logging.getLogger(__name__)
 

@@ -244,6 +244,10 @@ def load_draft(
     checkpoint = SafetensorsCheckpoint(folder)
     index = checkpoint.index
     check_draft_tensors(cfg, {name: shape for name, (_, shape) in index.items()}, str(folder))
+    vocab = None
+    if DRAFT_VOCAB in index:  # a few ids, checked before the weights are read
+        with safe_open(str(index[DRAFT_VOCAB][0]), framework="pt") as f:
+            vocab = check_draft_vocab(f.get_tensor(DRAFT_VOCAB), target.vocab_size, str(folder))
     embed_rows = index["embed_tokens.weight"][1][0] if cfg.has_embed_tokens else None
     with default_dtype(dtype):
         draft = DFlashDraft(cfg, embed_rows)
@@ -251,9 +255,7 @@ def load_draft(
     if quantization is not None:
         hold_as_blocks(names, checkpoint, quantization)
     load_into(draft, checkpoint, names)
-    if DRAFT_VOCAB in index:
-        with safe_open(str(index[DRAFT_VOCAB][0]), framework="pt") as f:
-            draft.vocab = check_draft_vocab(f.get_tensor(DRAFT_VOCAB), target.vocab_size, str(folder))
+    draft.vocab = vocab
     return draft.to(device).eval()
 
 

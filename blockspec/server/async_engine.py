@@ -157,7 +157,7 @@ class AsyncEngine:
             self.metrics.step(time.perf_counter() - start, accepts)
             self.live.step(getattr(self.scheduler.decoder, "last_plan", None), accepts)
             self._publish()
-            self.throughput.step(self._step_tokens, accepts, self.snapshot)
+            self.throughput.step(self._step_tokens, accepts, self.snapshot, time.perf_counter() - start)
         self._fail_all("the server is shutting down", shutdown=True)
 
     def _stop_server(self, exc: Exception) -> None:

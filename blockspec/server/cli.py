@@ -9,7 +9,7 @@ import socket
 from pathlib import Path
 
 from blockspec.config import EngineConfig, add_model_args, add_serving_args
-from blockspec.errors import BlockspecError
+from blockspec.errors import BlockspecError, cli_flags
 
 DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024  # blockspec.server.app's default (not imported: fastapi is slow)
 API_KEY_ENV = "BLOCKSPEC_API_KEY"
@@ -52,7 +52,8 @@ def register(sub) -> None:
                        help="on SIGTERM, how long running requests may finish before they end with an error "
                             "(default 10)")
     serve.add_argument("--no-ui", dest="ui", action="store_false",
-                       help="do not serve the chat page at / (the API is unchanged)")
+                       help="do not serve the chat page at / (default: the page is served; the API is the "
+                            "same either way)")
     serve.add_argument("--served-model-name", default=None,
                        help="model id in the API (default: the model folder name)")
     serve.add_argument("--log-level", default="info",
@@ -107,4 +108,5 @@ def run_serve(args: argparse.Namespace) -> None:
         print(f"chat page: http://{args.host}:{args.port}/", flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
-    GracefulServer(config, app.state.engine, args.shutdown_grace_seconds).run()
+    with cli_flags({}):  # a request's errors name its JSON fields (max_tokens), not this command's flags
+        GracefulServer(config, app.state.engine, args.shutdown_grace_seconds).run()

@@ -40,10 +40,15 @@ def stats_line(out: RequestOutput, interrupted: bool = False) -> str:
     """The answer's statistics: tokens, the draft's tau, the steps taken, decode speed, time to first token,
     prompt tokens the prefix cache held and, for DFlash, where its tokens came from."""
     stats = out.stats
-    note = "" if out.speculative_algorithm == "DFLASH" else " (plain decoding: no DFlash draft in use)"
-    steps = ""
-    if stats.plain_steps:
-        steps = f" over {len(stats.accept_lengths)} DFlash steps + {stats.plain_steps} plain steps"
+    dflash = out.speculative_algorithm == "DFLASH"
+    note = "" if dflash else " (plain decoding: no DFlash draft in use)"
+    # tau is undefined, not 0, where nothing was drafted (adaptive speculation or lookup took every step)
+    plain = f" + {stats.plain_steps} plain steps" if stats.plain_steps else ""
+    if stats.accept_lengths:
+        steps = f", tau={stats.mean_accept_length:.2f}"
+        steps += f" over {len(stats.accept_lengths)} DFlash steps{plain}" if plain else ""
+    else:
+        steps = f", no draft steps{f' ({stats.plain_steps} plain steps)' if plain else ''}" if dflash else ""
     if stats.lookup_accept_lengths:
         steps += (f"; {len(stats.lookup_accept_lengths)} prompt-lookup steps "
                   f"(tau {stats.lookup_mean_accept_length:.2f})")
@@ -58,8 +63,8 @@ def stats_line(out: RequestOutput, interrupted: bool = False) -> str:
     cached = ""
     if out.cached_tokens:  # a chat's later turns reuse the earlier turns' KV (the prefix cache)
         cached = f" ({out.cached_tokens} of {out.num_prompt_tokens} prompt tokens cached)"
-    return (f"[{out.speculative_algorithm}{note}] {len(out.token_ids)} tokens{stop}, "
-            f"tau={out.mean_accept_length:.2f}{steps}, {out.decode_tokens_per_s:.1f} tok/s decode, "
+    return (f"[{out.speculative_algorithm}{note}] {len(out.token_ids)} tokens{stop}{steps}, "
+            f"{out.decode_tokens_per_s:.1f} tok/s decode, "
             f"TTFT {out.time_to_first_token_s:.2f}s{cached}{sources}")
 
 

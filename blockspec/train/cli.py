@@ -34,9 +34,11 @@ def register(sub) -> None:
     a("--target-layer-ids", nargs="+", default=None,
       help="target layers whose hidden states feed the draft (default: --num-target-features of them spread "
       "over 1..L-3)")
-    a("--num-target-features", type=int, default=5, help="how many target layers to tap by default")
+    a("--num-target-features", type=int, default=5,
+      help="how many target layers to tap when --target-layer-ids is not given")
     a("--mask-token-id", type=int, default=None,
-      help="default: the tokenizer's mask token or a spare special token")
+      help="the mask token the draft fills, by its id (default: the tokenizer's mask token or a spare "
+      "special token)")
     a("--mask-token", default=None, help="the mask token by its text (default: as --mask-token-id)")
     a("--data", default="stdlib", help="training text, a comma list of: stdlib (Python's standard library "
       "source), pydoc (its documentation), responses:N (N of the target's own answers), PATH.jsonl")
@@ -58,7 +60,7 @@ def register(sub) -> None:
       "computed from the deepest tapped layer's cached features through its remaining layers "
       "(default 0: hard labels)")
     a("--init", default="target", help="target (draft layers start as the target's top layers), random, "
-      "or a draft folder to continue from (same shape)")
+      "or a draft to continue from (same shape): a folder, or 'default' for the shipped one")
     a("--architecture", choices=["dflash", "dflash2"], default="dflash",
       help="dflash, or dflash2: + a causal convolution around each sublayer and a candidate selector over "
       "the unary top-K, trained with loss = DFlash loss + ALPHA * selector cross-entropy. With --init a "
@@ -105,7 +107,8 @@ def register(sub) -> None:
     a("--stop-after-steps", type=int, default=None,
       help="stop with a checkpoint after N steps, to continue with --resume (default: run to the end)")
     a("--threads", type=int, default=None,
-      help="CPU threads (default: the CPUs this process may use, os.sched_getaffinity)")
+      help="CPU threads, at most the CPUs this process may use (more are capped, with a warning; "
+      "default: those CPUs)")
     a("--json", action="store_true", help="print a JSON summary on stdout")
     p.set_defaults(func=run_train)
 

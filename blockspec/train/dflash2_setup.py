@@ -3,7 +3,6 @@ new or those of the --init draft it continues."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,31 +16,7 @@ if TYPE_CHECKING:
 
 # A new DFlash2 draft's selector rank and top-K (--selector-rank/--selector-top-k) and its convolution
 DFLASH2_DEFAULTS = {"selector_rank": 64, "selector_top_k": 16, "conv_kernel_size": 2, "conv_group_size": 16}
-ARCHITECTURES = ("dflash", "dflash2")
 SELECTOR_INIT_STD = 0.02  # codebooks and hidden projection ~ N(0, 0.02) (convolutions start at identity)
-
-
-def check_architecture(cfg: TrainConfig) -> None:
-    """--architecture and the selector flags, which only a DFlash2 draft takes; sets the default alpha."""
-    if cfg.architecture not in ARCHITECTURES:
-        raise BlockspecError(f"train-draft: {setting('architecture')}={cfg.architecture!r}; "
-                             f"use one of {', '.join(ARCHITECTURES)}.")
-    given = [name for name in ("selector_rank", "selector_top_k", "selector_alpha", "selector_lr_scale")
-             if getattr(cfg, name) is not None]
-    if cfg.architecture == "dflash" and given:
-        raise BlockspecError(f"train-draft: {setting(given[0])} applies to DFlash2 drafts only; pass "
-                             f"{setting('architecture')} dflash2, or drop it.")
-    if cfg.architecture == "dflash2":
-        alpha = 1.0 if cfg.selector_alpha is None else cfg.selector_alpha
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha < math.inf:
-            raise BlockspecError(f"train-draft: {setting('selector_alpha')}={alpha!r} must be a number "
-                                 f">= 0 (the selector loss's weight; 0 trains the backbone only).")
-        cfg.selector_alpha = float(alpha)
-        scale = 1.0 if cfg.selector_lr_scale is None else cfg.selector_lr_scale
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
-            raise BlockspecError(f"train-draft: {setting('selector_lr_scale')}={scale!r} must be a number "
-                                 f"> 0 (the selector's learning rate is --lr times it).")
-        cfg.selector_lr_scale = float(scale)
 
 
 def init_dflash2(cfg: TrainConfig, target: ModelConfig, tokenizer) -> Dflash2Config | None:

@@ -22,7 +22,8 @@ def register(sub) -> None:
     p.add_argument("--model-path", default=None,
                    help="HF target folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft-model-path", default=None, metavar="DIR[,DIR...]",
-                   help="drafts to compare (default: the shipped draft of the embedded target)")
+                   help="drafts to compare, each a folder or 'default' (the shipped draft of the embedded "
+                        "target; default: that one)")
     p.add_argument("--dataset", default="humaneval,mt-bench",
                    help="prompt sets, a comma list of humaneval, mt-bench, PATH.jsonl")
     p.add_argument("--block-sizes", default="2,3,4",
@@ -36,9 +37,10 @@ def register(sub) -> None:
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto",
                    help="where to run (auto: CUDA when visible, else the CPU)")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads (default: the CPUs this process may use)")
+                   help="CPU threads, at most the CPUs this process may use (more are capped, with a "
+                        "warning; default: those CPUs)")
     p.add_argument("--json", dest="json_path", default=None, metavar="OUT.json",
-                   help="write the results here (default: only the table on stderr)")
+                   help="write the results here too (default: only the table, on stdout)")
     p.set_defaults(func=run_eval_draft)
 
 
@@ -83,11 +85,13 @@ def run_eval_draft(args: argparse.Namespace) -> None:
     if forms != ["none"] and config.device.type != "cpu":
         raise BlockspecError(f"--draft-quantization {args.draft_quantization}: block-held drafts run on the "
                              f"CPU only; pass --device cpu or --draft-quantization none.")
-    from blockspec.llm import DEFAULT_DRAFT
+    from blockspec.paths import SHIPPED_DRAFT_NAME, draft_folder
 
-    paths = [p.strip() for p in (args.draft_model_path or str(DEFAULT_DRAFT)).split(",") if p.strip()]
+    given = args.draft_model_path or SHIPPED_DRAFT_NAME
+    paths = [draft_folder(p.strip()) for p in given.split(",") if p.strip()]
     for path in paths:
-        check_folder(path, "draft_model_path", "DFlash draft folders (config.json + model.safetensors)")
+        check_folder(path, "draft_model_path", "DFlash draft folders (config.json + model.safetensors), or "
+                     "'default' for the shipped one")
     if args.json_path:
         check_output_file(args.json_path, "json_path")
     from blockspec.bench.datasets import load_dataset

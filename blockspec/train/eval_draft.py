@@ -17,7 +17,7 @@ def run_eval_draft(args: argparse.Namespace, sizes: list[int], paths: list[str],
     """After eval_cli.py checked the flags: `sizes` the block sizes, `paths` the drafts, the prompt sets,
     `forms` how to hold each draft's linear layers ("none": dense fp32, or a block type)."""
     from blockspec.bench.datasets import select_subset
-    from blockspec.bench.report import command_line, machine_info, now_utc
+    from blockspec.bench.machine import command_line, machine_info, now_utc
     from blockspec.config import EngineConfig
     from blockspec.llm import LLM
     from blockspec.models.loader import load_draft

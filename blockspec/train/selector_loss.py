@@ -99,3 +99,14 @@ def dflash2_metrics(draft: DFlashDraft, lm_head, hidden: torch.Tensor,
         path = walk(scores, candidates).tokens  # as the engine walks, the head in its own dtype
         out["walk_tau"] = 1.0 + (path == labels[complete]).long().cumprod(dim=-1).sum(-1).float()
         return {k: v.cpu() for k, v in out.items()}
+
+
+def param_groups(draft, lr: float, selector_lr_scale: float | None) -> list[dict]:
+    """The optimizer's groups: a DFlash2 draft's selector at --selector-lr-scale times the learning rate
+    (it starts near zero on a trained backbone, and Adam moves a weight ~lr per step)."""
+    named = [(n, p) for n, p in draft.named_parameters() if p.requires_grad]
+    selector = [p for n, p in named if n.startswith("candidate_selector.")]
+    rest = [p for n, p in named if not n.startswith("candidate_selector.")]
+    if not selector or selector_lr_scale in (None, 1.0):
+        return [{"params": rest + selector}]
+    return [{"params": rest}, {"params": selector, "lr": lr * selector_lr_scale}]

@@ -13,16 +13,13 @@ import platform
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import fields
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from blockspec.device import resolve_device
 from blockspec.errors import BlockspecError, setting
-from blockspec.layers.forward_batch import ForwardBatch
 from blockspec.models.config import ModelConfig
 from blockspec.models.default_model import ensure_default_model
 from blockspec.models.draft import DFlashDraft
@@ -30,21 +27,20 @@ from blockspec.models.loader import save_draft
 from blockspec.models.tokenizer import Tokenizer
 from blockspec.paths import check_folder, check_output_folder
 from blockspec.train import data as D
-from blockspec.train.config import (SAVE_DTYPES, TrainConfig, init_draft, load_init_weights,
-                                    make_draft_config, resolve_train_dtype)
+from blockspec.train.batches import Batches, label_counts
+from blockspec.train.budget import TimeBudget
+from blockspec.train.checkpoint import read_state, restore_rng, state_path, write_state
+from blockspec.train.config import SAVE_DTYPES, TrainConfig, resolve_train_dtype
 from blockspec.train.dflash2_setup import init_dflash2
-from blockspec.train.features import causal_batch, greedy_labels
 from blockspec.train.model_card import write_model_card
+from blockspec.train.new_draft import init_draft, load_init_weights, make_draft_config
 from blockspec.train.objective import (TrainVocab, build_blocks, cosine_with_warmup, dflash_loss,
-                                       greedy_accept_lengths, loss_weights, sample_anchors, steps_in_budget)
+                                       greedy_accept_lengths, loss_weights, sample_anchors)
 from blockspec.train.prepare import prepare_stores
-from blockspec.train.selector_loss import dflash2_loss, dflash2_metrics
+from blockspec.train.selector_loss import dflash2_loss, dflash2_metrics, param_groups
+from blockspec.train.teacher import freeze, target_pass, teacher_hidden
 
 
-# --time-budget: steps timed (at most; a linear warm-up over them) before the length is set
-CALIBRATION_STEPS = 20
-BUDGET_AIM, BUDGET_OVERRUN = 0.95, 1.1  # fit the run to 95% of the budget; stop with a checkpoint past 110%
-UNBOUNDED_STEPS = 10**9
 
 
 class Trainer:
@@ -60,15 +56,7 @@ class Trainer:
         check_output_folder(cfg.output, "output")
         if cfg.cache_dir is not None:
             check_output_folder(cfg.cache_dir, "cache_dir")
-        self.state_path = cfg.output / "checkpoint" / "state.pt"
-        if self.state_path.is_file() and not cfg.resume:
-            raise BlockspecError(f"{cfg.output} already holds a training checkpoint ({self.state_path}). "
-                                 f"Pass {setting('resume', 'resume=True')} to continue it, or choose another "
-                                 f"{setting('output')}.")
-        if cfg.resume and not self.state_path.is_file():
-            raise BlockspecError(f"{setting('resume', 'resume=True')}: {cfg.output} holds no training "
-                                 f"checkpoint (no {self.state_path}). Drop it to start a new run there, or "
-                                 f"point {setting('output')} at the run to continue.")
+        self.state_path = state_path(cfg)
         if cfg.target != "default":
             check_folder(cfg.target, "target", "a Hugging Face target folder, or 'default' for the embedded "
                          "SmolLM2")
@@ -86,10 +74,7 @@ class Trainer:
         # --init FOLDER: a draft of this shape, loaded now (a broken one fails before the data is prepared)
         self.init_weights = None if cfg.init in ("target", "random") else load_init_weights(
             Path(cfg.init).expanduser(), self.draft_cfg, self.target_cfg, self.tokenizer, cfg.seed)
-        self._state = None  # --resume: the checkpoint, read (and checked) now
-        if cfg.resume:
-            self._state = torch.load(self.state_path, map_location="cpu", weights_only=False)  # RNG on CPU
-            self.check_resumable(self._state)
+        self._state = read_state(self.state_path, cfg) if cfg.resume else None  # read and checked now
 
     # ---- data -------------------------------------------------------------------------------
     def prepare_data(self) -> None:
@@ -101,34 +86,7 @@ class Trainer:
             raise BlockspecError(f"train-draft: {setting('data')}={self.cfg.data!r} yielded no training "
                                  f"sequences.")
         self.train_tokens = self.stores["train"].num_tokens
-
-    def batch(self, split: str, indices: list[int]) -> tuple:
-        """(ids, labels, fp16 features or None when online) as CPU tensors padded to the longest row,
-        lengths, starts. Reading the memory-mapped features is disk-bound once the stores outgrow the page
-        cache, so `run` loads the next step's batch in a background thread while this step computes."""
-        rows = [self.stores[split].get(i) for i in indices]
-        lengths, starts = [len(r[0]) for r in rows], [r[3] for r in rows]
-        t = max(lengths)
-        ids = torch.zeros(len(rows), t, dtype=torch.long)
-        labels = torch.zeros(len(rows), t, dtype=torch.long)
-        feats = None if self.online else torch.zeros(len(rows), t, rows[0][2].shape[1], dtype=torch.float16)
-        for i, (x, y, f, _) in enumerate(rows):  # copies out of the read-only memory maps
-            ids[i, : len(x)] = torch.from_numpy(x.astype(np.int64))
-            labels[i, : len(x)] = torch.from_numpy(y.astype(np.int64))
-            if feats is not None:
-                feats[i, : len(x)] = torch.from_numpy(np.array(f))
-        return ids, labels, feats, lengths, starts
-
-    def step_indices(self, step: int) -> list[int]:
-        """Sequences of `step`: consecutive slices of per-epoch permutations seeded by (seed, epoch)."""
-        n, out = self.num_train, []
-        for i in range(step * self.cfg.batch_size, (step + 1) * self.cfg.batch_size):
-            epoch = i // n
-            if epoch not in self._perms:
-                self._perms = {epoch: torch.randperm(n, generator=torch.Generator().manual_seed(
-                    self.cfg.seed * 7919 + epoch))}
-            out.append(int(self._perms[epoch][i % n]))
-        return out
+        self.batches = Batches(self.stores, self.cfg.batch_size, self.cfg.seed, self.online)
 
     # ---- model ------------------------------------------------------------------------------
     def forward(self, batch: tuple, count: int, generator: torch.Generator, teacher: bool = False):
@@ -137,30 +95,16 @@ class Trainer:
         ids, labels, feats, lengths, starts = batch
         ids, labels, final = ids.to(self.device), labels.to(self.device), None
         if feats is None:
-            feats, labels, final = self.target_pass(ids, labels)
+            feats, labels, final = target_pass(self.target, ids, labels, self.draft_cfg.target_layer_ids)
         else:
             feats = feats.to(self.device).float()
         anchors, valid = sample_anchors(lengths, starts, count, generator)
         blocks = build_blocks(ids, labels, lengths, anchors.to(self.device), valid.to(self.device),
                               self.draft_cfg.block_size, self.draft_cfg.mask_token_id)
         hidden = self.draft(blocks.forward_batch(), feats)
-        return hidden, blocks, sum(lengths), self.teacher_hidden(feats, blocks, final) if teacher else None
-
-    @torch.no_grad()
-    @torch.autocast("cpu", enabled=False)
-    @torch.autocast("cuda", enabled=False)
-    def target_pass(self, ids: torch.Tensor,
-                    labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """--features online: one causal target forward over the batch in the target's own dtype -> (the
-        tapped features as float32, the labels with each -1 replaced by the target's argmax, the final-normed
-        hidden states (the distillation teacher)). Right padding never reaches real positions."""
-        hidden, feats = self.target(causal_batch(ids), self.draft_cfg.target_layer_ids)
-        rows = (labels < 0).any(dim=1).nonzero().squeeze(1)  # teacher-forced text (responses carry theirs)
-        if rows.numel():
-            labels = labels.clone()
-            labels[rows] = torch.where(labels[rows] < 0, greedy_labels(self.target, hidden[rows]),
-                                       labels[rows])
-        return feats.float(), labels, self.target.norm(hidden)
+        taught = (teacher_hidden(self.target, feats, blocks, self.draft_cfg.target_layer_ids, final)
+                  if teacher else None)
+        return hidden, blocks, sum(lengths), taught
 
     def attach_draft(self, draft: DFlashDraft) -> None:
         """The draft to train; it embeds its blocks with the target's frozen embedding (unless it has its
@@ -169,43 +113,7 @@ class Trainer:
         draft.use_target_embedding(self.target.embed_tokens)
 
     def freeze_target(self) -> None:
-        """With features on disk training needs only the frozen embedding and LM head, plus, with --distill,
-        the layers above the deepest tapped one (the teacher's distribution); online, the whole target."""
-        self.target.requires_grad_(False)
-        if self.online:
-            return
-        keep = ("embed_tokens", "lm_head") + (("layers", "norm", "rotary") if self.cfg.distill else ())
-        for name in [n for n, _ in self.target.named_children() if n not in keep]:
-            delattr(self.target, name)
-        if self.cfg.distill:
-            for i in range(max(self.draft_cfg.target_layer_ids) + 1):
-                self.target.layers[i] = torch.nn.Identity()
-
-    @torch.no_grad()
-    @torch.autocast("cpu", enabled=False)
-    @torch.autocast("cuda", enabled=False)
-    def teacher_hidden(self, feats: torch.Tensor, blocks, final: torch.Tensor | None = None) -> torch.Tensor:
-        """The target's final-normed hidden state at the position each block slot predicts from
-        ([b, count, B-1, H]): `final` when the target just ran (online), else the deepest tapped layer's
-        cached features run through the target's remaining layers in its own dtype (causal; right padding
-        cannot reach real positions)."""
-        b, t, _ = feats.shape
-        size, hidden_size = self.draft_cfg.block_size, self.target_cfg.hidden_size
-        capture, last = self.draft_cfg.target_layer_ids, self.target_cfg.num_hidden_layers - 1
-        deepest = max(capture)
-        column = capture.index(deepest) * hidden_size
-        if final is not None:
-            x = final
-        else:  # a capture of the last layer is already final-normed (HF hidden_states[L])
-            x = feats[..., column : column + hidden_size].to(self.target.dtype)
-        if final is None and deepest < last:
-            positions = torch.arange(t, device=x.device).expand(b, t)
-            x, _ = self.target.run_layers(x, ForwardBatch.standalone(None, positions), deepest + 1)
-            x = self.target.norm(x)
-        # slot k predicts from a+k-1
-        from_pos = blocks.positions.view(b, -1, size)[:, :, :-1].clamp(max=t - 1)
-        gathered = x.gather(1, from_pos.reshape(b, -1, 1).expand(-1, -1, hidden_size))
-        return gathered.view(b, -1, size - 1, hidden_size)
+        freeze(self.target, self.online, self.cfg.distill > 0, self.draft_cfg.target_layer_ids)
 
     def amp(self):
         """bf16 autocast (fp32 master weights) when --train-dtype resolves to bfloat16."""
@@ -219,7 +127,8 @@ class Trainer:
         for i in range(0, self.num_eval, self.cfg.batch_size):
             indices = list(range(i, min(self.num_eval, i + self.cfg.batch_size)))
             with self.amp():
-                hidden, blocks, _, _ = self.forward(self.batch("eval", indices), self.cfg.eval_anchors, gen)
+                batch = self.batches.get("eval", indices)
+                hidden, blocks, _, _ = self.forward(batch, self.cfg.eval_anchors, gen)
                 accepted.append(greedy_accept_lengths(hidden, self.target.lm_head, blocks, self.vocab).cpu())
             if self.draft_cfg.dflash2 is not None:
                 for key, value in dflash2_metrics(self.draft, self.target.lm_head, hidden, blocks).items():
@@ -234,27 +143,11 @@ class Trainer:
 
     # ---- checkpoints ------------------------------------------------------------------------
     def save(self, step: int) -> None:
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        state = {"draft": self.draft.state_dict(), "optimizer": self.opt.state_dict(),
-                 "scheduler": self.sched.state_dict(), "step": step, "history": self.history,
-                 "total_steps": self.total_steps, "warmup": self.warmup,
-                 "rng": torch.get_rng_state(), "fingerprint": self.cfg.fingerprint(),
-                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        tmp = self.state_path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        tmp.replace(self.state_path)
+        write_state(self.state_path, {
+            "draft": self.draft.state_dict(), "optimizer": self.opt.state_dict(),
+            "scheduler": self.sched.state_dict(), "step": step, "history": self.history,
+            "total_steps": self.total_steps, "warmup": self.warmup, "fingerprint": self.cfg.fingerprint()})
         self.export(step)
-
-    def check_resumable(self, state: dict) -> None:
-        """A checkpoint continues only with the settings it was trained with."""
-        old, new = state["fingerprint"], self.cfg.fingerprint()
-        default = {f.name: str(f.default) for f in fields(TrainConfig)}  # a field newer than the checkpoint
-        diff = [f"{setting(k)}: {old.get(k, default[k])} -> {new[k]}" for k in new
-                if old.get(k, default[k]) != new[k]]
-        if diff:
-            raise BlockspecError(f"{setting('resume', 'resume=True')}: the checkpoint in {self.state_path} "
-                                 f"was trained with other settings ({'; '.join(diff)}). Rerun with the "
-                                 f"original settings, or use a new {setting('output')}.")
 
     def load(self) -> int:
         state, self._state = self._state, None
@@ -264,9 +157,7 @@ class Trainer:
         self.history = state["history"]
         self.total_steps, self.warmup = (state.get("total_steps", self.total_steps),
                                          state.get("warmup", self.warmup))
-        torch.set_rng_state(state["rng"])
-        if state["cuda_rng"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        restore_rng(state)
         return state["step"]
 
     def export(self, step: int) -> None:
@@ -301,33 +192,28 @@ class Trainer:
         self.draft.rotary.ensure(cfg.seq_len + self.draft_cfg.block_size)
         self.draft.to(self.device).train()
         params = [p for p in self.draft.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.param_groups(), lr=cfg.lr, betas=(0.9, 0.95),
-                                     weight_decay=cfg.weight_decay)
+        self.opt = torch.optim.AdamW(param_groups(self.draft, cfg.lr, cfg.selector_lr_scale), lr=cfg.lr,
+                                     betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.warmup = max(1, round(cfg.warmup_ratio * self.total_steps))
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: cosine_with_warmup(s, self.total_steps, self.warmup))
         self.history: list[dict] = []
-        self._perms: dict[int, torch.Tensor] = {}
         step = self.load() if cfg.resume and self.state_path.is_file() else 0
-        # --time-budget: a new run's length is known once its first steps are timed (CALIBRATION_STEPS, or
-        # fewer when they take a tenth of the budget); until then it warms up over those steps.
-        fitting = cfg.time_budget is not None and step == 0
-        calibrated = not fitting
-        if fitting:
-            self.total_steps, self.warmup = cfg.steps or UNBOUNDED_STEPS, CALIBRATION_STEPS
+        budget = TimeBudget(cfg, step)
+        self.total_steps, self.warmup = budget.start(self.total_steps, self.warmup)
         weights = loss_weights(self.draft_cfg.block_size, cfg.loss_gamma).to(self.device)
         stop = (self.total_steps if cfg.stop_after_steps is None
                 else min(self.total_steps, step + cfg.stop_after_steps))
         ema, seq_tokens, eval_seconds, evals, t0, first = None, 0, 0.0, 0, time.perf_counter(), step
-        first_step_seconds = 0.0
         bar = tqdm(total=self.total_steps, initial=step, desc="train-draft", unit="step")
         loader = ThreadPoolExecutor(max_workers=1)
-        upcoming = loader.submit(self.batch, "train", self.step_indices(step)) if step < stop else None
+        get, indices = self.batches.get, self.batches.indices
+        upcoming = loader.submit(get, "train", indices(step)) if step < stop else None
         try:
             while step < stop:
                 batch = upcoming.result()
                 if step + 1 < stop:
-                    upcoming = loader.submit(self.batch, "train", self.step_indices(step + 1))
+                    upcoming = loader.submit(get, "train", indices(step + 1))
                 gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
                 with self.amp():
                     hidden, blocks, n_tok, teacher = self.forward(batch, cfg.anchors_per_seq, gen,
@@ -345,12 +231,11 @@ class Trainer:
                 self.opt.zero_grad(set_to_none=True)
                 step, seq_tokens = step + 1, seq_tokens + n_tok
                 if step == first + 1:
-                    first_step_seconds = time.perf_counter() - t0
+                    budget.first_step_seconds = time.perf_counter() - t0
                 ema = info["loss"] if ema is None else 0.95 * ema + 0.05 * info["loss"]
                 record = {"step": step, **{k: round(info[k], 4) for k in ("loss", "acc1", "sel_loss",
                                                                           "recall") if k in info}}
-                calibrate = not calibrated and step >= 3 and (
-                    step >= CALIBRATION_STEPS or time.perf_counter() - t0 >= cfg.time_budget / 10)
+                calibrate = budget.calibrates(step, time.perf_counter() - t0)
                 evaluated = step % cfg.eval_every == 0 or step == stop or calibrate
                 if evaluated:
                     t_eval = time.perf_counter()
@@ -362,21 +247,16 @@ class Trainer:
                                file=sys.stderr)
                 self.history.append(record)
                 elapsed = time.perf_counter() - t0
-                # The length is fitted at the calibration step and refined at each evaluation of the first
-                # half.
-                if fitting and (calibrate or (calibrated and evaluated and 2 * step < self.total_steps)):
-                    fitted = steps_in_budget(step, elapsed, eval_seconds, evals, cfg.eval_every,
-                                             BUDGET_AIM * cfg.time_budget, first_step_seconds)
-                    self.total_steps = max(step, min(cfg.steps or UNBOUNDED_STEPS, fitted))
-                    self.warmup = max(CALIBRATION_STEPS, round(cfg.warmup_ratio * self.total_steps))
+                fitted = budget.refit(step, elapsed, eval_seconds, evals, self.total_steps, calibrate,
+                                      evaluated)
+                if fitted is not None:
+                    self.total_steps, self.warmup = fitted
                     stop = self.total_steps if cfg.stop_after_steps is None else min(self.total_steps, stop)
                     bar.total = self.total_steps
                     if calibrate:
                         tqdm.write(f"--time-budget {cfg.time_budget:g} s: {self.total_steps} steps "
                                    f"({elapsed / step:.3f} s/step so far)", file=sys.stderr)
-                calibrated = calibrated or calibrate
-                if (cfg.time_budget is not None and calibrated
-                        and elapsed > BUDGET_OVERRUN * cfg.time_budget and step < stop):
+                if budget.overrun(elapsed) and step < stop:
                     tqdm.write(f"--time-budget {cfg.time_budget:g} s overrun at step {step} of "
                                f"{self.total_steps}: saving a checkpoint; continue with --resume",
                                file=sys.stderr)
@@ -401,25 +281,9 @@ class Trainer:
         return {"step": step, "total_steps": self.total_steps, "heldout_tau": self.last("heldout_tau"),
                 "final_loss": self.last("loss"), **self.stats}
 
-    def param_groups(self) -> list[dict]:
-        """The optimizer's groups: a DFlash2 draft's selector at --selector-lr-scale times the learning rate
-        (it starts near zero on a trained backbone, and Adam moves a weight ~lr per step)."""
-        named = [(n, p) for n, p in self.draft.named_parameters() if p.requires_grad]
-        selector = [p for n, p in named if n.startswith("candidate_selector.")]
-        rest = [p for n, p in named if not n.startswith("candidate_selector.")]
-        if not selector or self.cfg.selector_lr_scale == 1.0:
-            return [{"params": rest + selector}]
-        return [{"params": rest}, {"params": selector, "lr": self.cfg.lr * self.cfg.selector_lr_scale}]
-
     def train_vocab(self) -> TrainVocab:
-        store, vocab_size = self.stores["train"], self.target_cfg.vocab_size
-        counts = np.zeros(vocab_size, dtype=np.int64)
-        # online, a label the target decides is counted as the text's next token
-        for i in range(self.num_train):
-            ids, labels, _, start = store.get(i)
-            labels = np.where(labels >= 0, labels, np.append(ids[1:], ids[-1]))
-            counts += np.bincount(labels[start:].astype(np.int64), minlength=vocab_size)
-        vocab = TrainVocab(self.target.lm_head, torch.from_numpy(counts), self.cfg.train_vocab)
+        counts = label_counts(self.stores["train"], self.target_cfg.vocab_size)
+        vocab = TrainVocab(self.target.lm_head, counts, self.cfg.train_vocab)
         self.stats["train_vocab"] = {"size": vocab.size, "label_coverage": vocab.coverage}
         return vocab
 
