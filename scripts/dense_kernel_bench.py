@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from blockspec.bench.report import cpu_model
+from blockspec.bench.machine import cpu_model
 from blockspec.layers.dense import VARIANTS, available_variants
 from blockspec.layers.quant import kernels
 
