@@ -6,7 +6,6 @@ import atexit
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
@@ -20,13 +19,13 @@ from blockspec.engine.scheduler import Scheduler, run_to_completion
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.text_stream import TextStream, follow_text
 from blockspec.errors import BlockspecError, DraftConfigError, RequestError, setting
+from blockspec.model_choice import choose_models, target_folder
 from blockspec.models.config import ModelConfig
-from blockspec.models.default_model import ensure_default_model, gguf_path
+from blockspec.models.default_model import gguf_path
 from blockspec.models.loader import load_draft, load_target
 from blockspec.models.parallel import check_tp
 from blockspec.models.tokenizer import Tokenizer
 from blockspec.outputs import RequestOutput, StreamDelta, request_output
-from blockspec.paths import SHIPPED_DRAFT as DEFAULT_DRAFT  # noqa: F401 - named here too
 from blockspec.ranks import build_together, follow, join_spawned, rank_threads, start_ranks, stop
 from blockspec.sampling_params import SamplingParams
 from blockspec.speculative.decoder import Decoder
@@ -46,19 +45,12 @@ class LLM:
         cfg = config if config is not None else EngineConfig(**settings)
         group, processes = None, []
         if cfg.tp_size > 1:
-            check_tp(ModelConfig.from_folder(self.target_folder(cfg)), cfg.tp_size)  # before any rank starts
+            check_tp(ModelConfig.from_folder(target_folder(cfg)), cfg.tp_size)  # before any rank starts
             group, processes = start_ranks(cfg, rank_main)
         self.build(cfg, group, processes)
         if group is not None and group.rank != 0:  # a launcher's rank > 0: serve rank 0, then exit
             follow(self)
             raise SystemExit(0)
-
-    @staticmethod
-    def target_folder(cfg: EngineConfig) -> Path:
-        # The embedded model's own GGUF blocks need only its config and tokenizer converted, not its weights.
-        embedded = cfg.model_path is None
-        return Path(cfg.model_path) if not embedded else ensure_default_model(
-            weights=cfg.weight_blocks(embedded) is None)
 
     def build(self, cfg: EngineConfig, group: TPGroup | None, processes: list) -> None:
         """This rank's engine: its shard of the target (all of it without `group`), the draft, the runner."""
@@ -77,26 +69,10 @@ class LLM:
         embedded = cfg.model_path is None
         self.weight_blocks = cfg.weight_blocks(embedded)  # None: dense weights
         self.activations = cfg.activations if self.weight_blocks is not None else "fp32"
-        self.model_path = self.target_folder(cfg)
-        draft_path = cfg.draft_model_path
-        if draft_path is None and cfg.model_path is None and cfg.speculative_algorithm != "NONE" \
-                and DEFAULT_DRAFT.is_dir():
-            draft_path = str(DEFAULT_DRAFT)
-        if cfg.speculative_algorithm == "DFLASH" and draft_path is None:
-            raise DraftConfigError(
-                f"DFLASH speculative decoding requires a draft: pass {setting('draft_model_path')}, or use "
-                f"{setting('speculative_algorithm')}=NONE for plain decoding.")
-        if cfg.speculative_algorithm == "NONE" and draft_path is not None:
-            log.warning("speculative_algorithm=NONE: ignoring draft_model_path=%s", draft_path)
-            draft_path = None
-        self.draft_model_path = draft_path
         # What can be wrong is found before the target's weights load: its config, tokenizer and the draft.
-        target_cfg = ModelConfig.from_folder(self.model_path)
-        self.max_model_len = cfg.max_model_len or min(target_cfg.max_position_embeddings, 4096)
-        if self.max_model_len > target_cfg.max_position_embeddings:
-            raise BlockspecError(
-                f"{setting('max_model_len')}={self.max_model_len} exceeds the target's "
-                f"max_position_embeddings={target_cfg.max_position_embeddings}; lower it.")
+        choice = choose_models(cfg)
+        self.model_path, self.draft_model_path = choice.model_path, choice.draft_path
+        self.max_model_len, target_cfg, draft_path = choice.max_model_len, choice.target_cfg, choice.draft_path
         self.tokenizer = Tokenizer.from_folder(self.model_path)
         self.draft = None
         self.draft_blocks = cfg.draft_blocks(self.weight_blocks) if draft_path is not None else None

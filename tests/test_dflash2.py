@@ -342,7 +342,7 @@ def test_greedy_and_seeded_sampled_dflash2_equal_plain_decoding(engines, form):
 def smollm2_dflash2(smollm2_dir, tmp_path_factory):
     """A DFlash2 draft for the embedded SmolLM2 made from the shipped DFlash draft (identity convolutions,
     a random selector large enough to change some paths; its candidates among the draft's vocabulary)."""
-    from blockspec.llm import DEFAULT_DRAFT
+    from blockspec.paths import SHIPPED_DRAFT as DEFAULT_DRAFT
     from blockspec.models.tokenizer import Tokenizer
 
     cfg = ModelConfig.from_folder(smollm2_dir)

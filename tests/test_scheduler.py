@@ -141,7 +141,7 @@ def test_prefill_shares_the_step_with_decoding_rows(engine):
     """A long prompt arriving while others decode advances by its fair share per step (ratio x the
     decoding rows at the prompt's start, at least MIN_PREFILL_CHUNK), and only by the full allowance when
     nothing decodes."""
-    from blockspec.engine.scheduler import MIN_PREFILL_CHUNK
+    from blockspec.engine.prefill_chunks import MIN_PREFILL_CHUNK
 
     requests = [([4, 4], SamplingParams(max_tokens=40), []), ([5, 6], SamplingParams(max_tokens=40), []),
                 (list(range(96, 0, -1)), SamplingParams(max_tokens=10), [])]

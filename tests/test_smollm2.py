@@ -117,7 +117,7 @@ def test_default_llm_runs_the_shipped_draft_losslessly(blocks_llm):
     speculation and prompt lookup (the defaults), with every step speculating (copies alone, or merged
     with the draft's chain), and with the draft alone, which accepts more than the bonus token on
     average."""
-    from blockspec.llm import DEFAULT_DRAFT
+    from blockspec.paths import SHIPPED_DRAFT as DEFAULT_DRAFT
 
     params = SamplingParams(max_tokens=48)
     plain = blocks_llm.chat(PROMPT, params)[0]

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from blockspec.argparsing import RawHelpFormatter
-from blockspec.config import EngineConfig, add_model_args, add_serving_args
+from blockspec.config import EngineConfig
+from blockspec.engine_flags import add_model_args, add_serving_args
 from blockspec.errors import BlockspecError
 from blockspec.paths import check_output_file
 from blockspec.sampling_params import add_sampling_args, sampling_from_args

@@ -53,16 +53,12 @@ from collections import deque
 from typing import Callable, Protocol
 
 from blockspec.engine.mirror import Mirror
+from blockspec.engine.prefill_chunks import prefill_groups, prefill_share
 from blockspec.engine.prefix_reuse import PrefixReuse, prefill_order
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
 from blockspec.errors import RequestError, setting
 
-MIN_PREFILL_CHUNK = 4  # a prompt still advances this much per step beside any decode batch
-# A prompt token at context length c also attends over c keys: it costs about 1 + c / ATTENTION_KEYS
-# decode rows (on SmolLM2 on 2 CPU cores, a 16-token chunk at 3,900 tokens of context took ~4 decode
-# steps, at the start of a prompt under one).
-ATTENTION_KEYS = 512
 DEFAULT_PREFILL_DECODE_RATIO = 2.0
 
 
@@ -263,7 +259,7 @@ class Scheduler:
         return ran
 
     def _run_prefill(self, rows: list[tuple[Sequence, list[int]]]) -> None:
-        for group in self._groups(rows):
+        for group in prefill_groups(rows, self.runner.max_len):
             seqs, chunks = [s for s, _ in group], [c for _, c in group]
             hidden = self.runner.prefill(seqs, chunks, capture=self.decoder.speculative)
             self.cache.miss_tokens += sum(len(c) for c in chunks)
@@ -280,22 +276,8 @@ class Scheduler:
         if not decoding or not self.prefill_decode_ratio:
             return self.prefill_tokens_per_step
         context = max((s.num_cached for s in self.running if s.seq_id in self._prefill_ids), default=0)
-        share = int(self.prefill_decode_ratio * decoding * self.width / (1 + context / ATTENTION_KEYS))
-        return min(self.prefill_tokens_per_step, max(MIN_PREFILL_CHUNK, share))
-
-    def _groups(self, rows: list[tuple[Sequence, list[int]]]) -> list[list[tuple[Sequence, list[int]]]]:
-        """Rows whose chunk lengths share a power-of-two bucket run in one padded forward (padding
-        wastes under 2x); a row whose padding would run past its slab goes alone."""
-        buckets: dict[int, list[tuple[Sequence, list[int]]]] = {}
-        for row in rows:
-            buckets.setdefault(len(row[1]).bit_length(), []).append(row)
-        groups: list[list[tuple[Sequence, list[int]]]] = []
-        for bucket in buckets.values():
-            width = max(len(c) for _, c in bucket)
-            fits = [r for r in bucket if r[0].num_cached + width <= self.runner.max_len]
-            groups += [fits] if fits else []
-            groups += [[r] for r in bucket if r[0].num_cached + width > self.runner.max_len]
-        return groups
+        share = prefill_share(self.prefill_decode_ratio, decoding * self.width, context)
+        return min(self.prefill_tokens_per_step, share)
 
 
 def run_to_completion(scheduler: Scheduler, seqs: list[Sequence],

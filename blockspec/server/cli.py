@@ -8,7 +8,8 @@ import os
 import socket
 from pathlib import Path
 
-from blockspec.config import EngineConfig, add_model_args, add_serving_args
+from blockspec.config import EngineConfig
+from blockspec.engine_flags import add_model_args, add_serving_args
 from blockspec.errors import BlockspecError, cli_flags
 
 DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024  # blockspec.server.app's default (not imported: fastapi is slow)

@@ -19,7 +19,7 @@ DEMO_PROMPT = "Write a Python function that checks whether a number is prime."
 
 
 def add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    from blockspec.config import add_model_args
+    from blockspec.engine_flags import add_model_args
     from blockspec.sampling_params import add_sampling_args
 
     p.add_argument("--color", action="store_true",
