@@ -7,23 +7,39 @@ namespace {
 
 // ---- portable kernel ----------------------------------------------------------------------------------
 
-// The exact integer dot of block b of packed output `o` (0..7 within its group) with activation block xq.
+// The exact integer dot of block b of packed output `o` (0..7 within its group) with activation block xq
+// (Q6_K: each half's dot times its scale), and the fp32 steps that follow it.
 int32_t block_dot_portable(int64_t qtype, const uint8_t* rec, int o, const int8_t* xq) {
   const uint8_t* chunks = rec + scale_bytes(qtype);
-  int32_t dot = 0;
+  const int32_t offset = qtype == kQ4_0 ? 8 : 0;
+  int32_t lo = 0, hi = 0;
   for (int c = 0; c < chunk_count(qtype); ++c) {
     const uint8_t* w = chunks + 32 * c + 4 * o;
     for (int j = 0; j < 4; ++j) {
-      if (qtype == kQ8_0) {
-        dot += (static_cast<int32_t>(w[j]) - 128) * xq[4 * c + j];
+      if (nibbles(qtype)) {
+        lo += ((w[j] & 0xF) - offset) * xq[4 * c + j];
+        lo += ((w[j] >> 4) - offset) * xq[16 + 4 * c + j];
       } else {
-        const int32_t offset = qtype == kQ4_0 ? 8 : 0;
-        dot += ((w[j] & 0xF) - offset) * xq[4 * c + j];
-        dot += ((w[j] >> 4) - offset) * xq[16 + 4 * c + j];
+        (c < 4 ? lo : hi) += (signed_bytes(qtype) ? w[j] - 128 : w[j]) * xq[4 * c + j];
       }
     }
   }
-  return dot;
+  if (qtype == kQ6_K) return static_cast<int8_t>(rec[16 + o]) * lo + static_cast<int8_t>(rec[24 + o]) * hi;
+  return lo + hi;
+}
+
+// acc = fma(float(dot), d_w * d_x, acc), the K-quants' d_w being d * sc; then, for types with a min,
+// acc = fma(m_w, d_x * sum_x, acc) with m_w = m (Q4_1, Q5_1) or -(dmin * mn) (Q4_K, Q5_K).
+float scale_portable(int64_t qtype, const uint8_t* rec, int o, int32_t dot, float dx, float dsx, float acc) {
+  float dw = half_to_float(load_u16(rec + 2 * o));
+  if (k_scales(qtype)) dw *= static_cast<float>(rec[32 + o]);
+  acc = std::fma(static_cast<float>(dot), dw * dx, acc);
+  if (has_min(qtype)) {
+    float m = half_to_float(load_u16(rec + 16 + 2 * o));
+    if (k_scales(qtype)) m = -(m * static_cast<float>(rec[40 + o]));
+    acc = std::fma(m, dsx, acc);
+  }
+  return acc;
 }
 
 void group_portable(int64_t qtype, const uint8_t* panel, int64_t blocks, const Activations& a, int64_t r0,
@@ -36,9 +52,7 @@ void group_portable(int64_t qtype, const uint8_t* panel, int64_t blocks, const A
         const uint8_t* p = panel + b * rec;
         const int64_t i = r * blocks + b;
         const int32_t dot = block_dot_portable(qtype, p, o, a.q.data() + r * blocks * 32 + b * 32);
-        const float scale = half_to_float(load_u16(p + 2 * o)) * a.d[i];
-        acc = std::fma(static_cast<float>(dot), scale, acc);
-        if (qtype == kQ4_1) acc = std::fma(half_to_float(load_u16(p + 16 + 2 * o)), a.ds[i], acc);
+        acc = scale_portable(qtype, p, o, dot, a.d[i], a.ds[i], acc);
       }
       y[r * ldy + o] = res != nullptr ? acc + res[r * ldr + o] : acc;
     }
@@ -50,34 +64,57 @@ void group_portable(int64_t qtype, const uint8_t* panel, int64_t blocks, const A
 #define VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 
 // The integer dot products of block b: dot[g * R + r] lane o = the exact dot of output o of group g with
-// row r. AVX2: maddubs pairs into int16 (Q4: up to 8 x 2 x 15 x 127 = 30480, no saturation, summed in int16
-// over the block), then madd to int32; Q8 weights are made signed and their sign moved onto the activations
-// (|w| <= 128: 2 x 128 x 127 < 32768). VNNI: dpbusd (u8 weights x s8 activations, int32 sums, no saturation),
-// the weights' offsets taken off with the activation block sums.
+// row r. AVX2: maddubs pairs into int16 (nibbles: up to 8 x 2 x 15 x 127 = 30480, no saturation, summed in
+// int16 over the block), then madd to int32. Signed bytes are made signed and their sign moved onto the
+// activations (|w| <= 128: 2 x 128 x 127 < 32768); unsigned bytes (<= 31) go in as they are. VNNI: dpbusd
+// (u8 weights x s8 activations, int32 sums, no saturation), the weights' offsets taken off with the
+// activation block sums; Q6_K keeps the sign move (its halves' sums are not at hand). Q6_K: the two halves'
+// dots apart, then each times its int8 scale (|dot| <= 16 x 32 x 127: the products fit int32).
 template <int64_t QT, int G, int R>
-AVX2_F16C __attribute__((always_inline)) inline void block_dots_avx2(const uint8_t* chunks, int64_t stride,
+AVX2_F16C __attribute__((always_inline)) inline void q6_combine(const uint8_t* rec, int64_t stride,
+                                                               const __m256i* lo, const __m256i* hi,
+                                                               __m256i* dot) {
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    const uint8_t* pg = rec + g * stride;
+    const __m256i sa = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(pg + 16)));
+    const __m256i sb = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(pg + 24)));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+      dot[g * R + r] = _mm256_add_epi32(_mm256_mullo_epi32(lo[g * R + r], sa),
+                                        _mm256_mullo_epi32(hi[g * R + r], sb));
+  }
+}
+
+template <int64_t QT, int G, int R>
+AVX2_F16C __attribute__((always_inline)) inline void block_dots_avx2(const uint8_t* rec, int64_t stride,
                                                                     const Tile<R>& t, int64_t b,
                                                                     __m256i* dot) {
+  const uint8_t* chunks = rec + scale_bytes(QT);
   const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (QT == kQ8_0) {
+  if constexpr (!nibbles(QT)) {
     const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    __m256i hi[G * R];  // Q6_K: the dots of weights 16-31 (others: unused)
 #pragma GCC unroll 16
-    for (int i = 0; i < G * R; ++i) dot[i] = _mm256_setzero_si256();
+    for (int i = 0; i < G * R; ++i) dot[i] = hi[i] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
 #pragma GCC unroll 4
       for (int g = 0; g < G; ++g) {
-        const __m256i w = _mm256_xor_si256(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + g * stride + 32 * c)), flip);
-        const __m256i aw = _mm256_abs_epi8(w);
+        __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + g * stride + 32 * c));
+        if constexpr (signed_bytes(QT)) w = _mm256_xor_si256(w, flip);
+        const __m256i aw = signed_bytes(QT) ? _mm256_abs_epi8(w) : w;
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 4 * c)), w);
+          __m256i x = _mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 4 * c));
+          if constexpr (signed_bytes(QT)) x = _mm256_sign_epi8(x, w);
           const __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, x), ones);
-          dot[g * R + r] = _mm256_add_epi32(dot[g * R + r], pairs);
+          __m256i& acc = QT == kQ6_K && c >= 4 ? hi[g * R + r] : dot[g * R + r];
+          acc = _mm256_add_epi32(acc, pairs);  // (hi: Q6_K only)
         }
       }
     }
+    if constexpr (QT == kQ6_K) q6_combine<QT, G, R>(rec, stride, dot, hi, dot);
   } else {
     const __m256i nibble = _mm256_set1_epi8(0xF);
     __m256i pairs[G * R];
@@ -109,11 +146,33 @@ AVX2_F16C __attribute__((always_inline)) inline void block_dots_avx2(const uint8
 }
 
 template <int64_t QT, int G, int R>
-VNNI __attribute__((always_inline)) inline void block_dots_vnni(const uint8_t* chunks, int64_t stride,
+VNNI __attribute__((always_inline)) inline void block_dots_vnni(const uint8_t* rec, int64_t stride,
                                                                const Tile<R>& t, int64_t b, __m256i* dot) {
+  const uint8_t* chunks = rec + scale_bytes(QT);
 #pragma GCC unroll 16
   for (int i = 0; i < G * R; ++i) dot[i] = _mm256_setzero_si256();
-  if constexpr (QT == kQ8_0) {
+  if constexpr (QT == kQ6_K) {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    __m256i hi[G * R];
+#pragma GCC unroll 16
+    for (int i = 0; i < G * R; ++i) hi[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        const __m256i w = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + g * stride + 32 * c)), flip);
+        const __m256i aw = _mm256_abs_epi8(w);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 4 * c)), w);
+          __m256i& acc = c >= 4 ? hi[g * R + r] : dot[g * R + r];
+          acc = _mm256_dpbusd_avx_epi32(acc, aw, x);
+        }
+      }
+    }
+    return q6_combine<QT, G, R>(rec, stride, dot, hi, dot);
+  } else if constexpr (!nibbles(QT)) {
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
 #pragma GCC unroll 4
@@ -143,7 +202,7 @@ VNNI __attribute__((always_inline)) inline void block_dots_vnni(const uint8_t* c
       }
     }
   }
-  constexpr int32_t offset = QT == kQ8_0 ? 128 : QT == kQ4_0 ? 8 : 0;
+  constexpr int32_t offset = signed_bytes(QT) ? 128 : QT == kQ4_0 ? 8 : 0;
   if constexpr (offset != 0) {
 #pragma GCC unroll 16
     for (int i = 0; i < G * R; ++i)
@@ -151,9 +210,13 @@ VNNI __attribute__((always_inline)) inline void block_dots_vnni(const uint8_t* c
   }
 }
 
+// 8 bytes widened to 8 fp32 lanes (the K-quants' sub-block scales and mins).
+AVX2_F16C inline __m256 u8_floats(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 
-// Per block, for each group and row: acc += float(dot) * (d_w * d_x) (and for Q4_1: acc += m_w * (d_x *
-// sum_x)), in that order.
+// Per block, for each group and row: acc = fma(float(dot), d_w * d_x, acc), then for types with a min
+// acc = fma(m_w, d_x * sum_x, acc), in that order (scale_portable's steps).
 template <int64_t QT, int G, int R>
 AVX2_F16C __attribute__((always_inline)) inline void scale_block(const uint8_t* p, int64_t stride,
                                                                 const Tile<R>& t, const __m256i* dot,
@@ -161,14 +224,17 @@ AVX2_F16C __attribute__((always_inline)) inline void scale_block(const uint8_t* 
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g) {
     const uint8_t* pg = p + g * stride;
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pg)));
+    __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pg)));
+    if constexpr (k_scales(QT)) dw = _mm256_mul_ps(dw, u8_floats(pg + 32));
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(t.d[r][b]));
       acc[g * R + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[g * R + r]), scale, acc[g * R + r]);
     }
-    if constexpr (QT == kQ4_1) {
-      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pg + 16)));
+    if constexpr (has_min(QT)) {
+      __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pg + 16)));
+      if constexpr (k_scales(QT))
+        mw = _mm256_xor_ps(_mm256_mul_ps(mw, u8_floats(pg + 40)), _mm256_set1_ps(-0.0f));
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
         acc[g * R + r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(t.ds[r][b]), acc[g * R + r]);
@@ -209,7 +275,7 @@ AVX2_F16C __attribute__((always_inline)) inline void store_tile(
     for (int64_t b = 0; b < a.blocks; ++b) {                                                              \
       const uint8_t* p = panel + b * record_bytes(QT);                                                    \
       __m256i dot[G * R];                                                                                 \
-      DOTS<QT, G, R>(p + scale_bytes(QT), stride, t, b, dot);                                             \
+      DOTS<QT, G, R>(p, stride, t, b, dot);                                                               \
       scale_block<QT, G, R>(p, stride, t, dot, b, acc);                                                   \
     }                                                                                                     \
     store_tile<G, R>(acc, y + r0 * ldy, ldy, outputs, res ? res + r0 * ldr : nullptr, ldr);               \
@@ -266,6 +332,11 @@ void groups_of(int64_t qtype, const uint8_t* w, int64_t stride, int64_t n, int64
     case kQ4_0: return groups_simd<kQ4_0, V>(w, stride, n, g0, g1, a, r0, r1, out);
     case kQ4_1: return groups_simd<kQ4_1, V>(w, stride, n, g0, g1, a, r0, r1, out);
     case kQ8_0: return groups_simd<kQ8_0, V>(w, stride, n, g0, g1, a, r0, r1, out);
+    case kQ5_0: return groups_simd<kQ5_0, V>(w, stride, n, g0, g1, a, r0, r1, out);
+    case kQ5_1: return groups_simd<kQ5_1, V>(w, stride, n, g0, g1, a, r0, r1, out);
+    case kQ4_K: return groups_simd<kQ4_K, V>(w, stride, n, g0, g1, a, r0, r1, out);
+    case kQ5_K: return groups_simd<kQ5_K, V>(w, stride, n, g0, g1, a, r0, r1, out);
+    case kQ6_K: return groups_simd<kQ6_K, V>(w, stride, n, g0, g1, a, r0, r1, out);
   }
 }
 #endif
