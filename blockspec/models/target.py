@@ -90,11 +90,13 @@ BlockStack = tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[torch
 def block_stack(layers) -> BlockStack | None:
     """Decoder layers (the target's, a draft's: each with self_attn.{qkv_proj, o_proj, q_norm, k_norm},
     mlp.{gate_up_proj, down_proj} and two norms) as one stack, or None where a layer cannot run there:
-    dense, biased or row-parallel linears, folded norms, layers in mixed forms."""
+    dense, biased or row-parallel linears, fused parts of several block types, folded norms, layers in mixed
+    forms."""
     linears = [linear for layer in layers for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    if not all(linear.quant is not None and linear.bias is None and linear.parallel is None
-               for linear in linears) or any(layer.input_layernorm.folded for layer in layers):
+    if not all(linear.quant is not None and linear.quant.qtype is not None and linear.bias is None
+               and linear.parallel is None for linear in linears) or any(layer.input_layernorm.folded
+                                                                        for layer in layers):
         return None
     forms = {linear.quant.activations for linear in linears}
     qk = [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in layers]
