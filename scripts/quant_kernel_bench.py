@@ -2,9 +2,12 @@
 has) against fp32 activations, per shape and row count: microseconds per call and multiply-adds per second.
 
     PYTHONPATH=. python scripts/quant_kernel_bench.py [--threads 2] [--rows 1,2,5,9,17,33,64] [--rounds 30]
+        [--types q4_k,q6_k,q8_0,...]
 
 Each call takes the next layer's tensor (30 layers round robin), so the weights come from memory or the last
 level of cache as in a step, not from L1; the forms alternate call by call; medians. Prints a markdown table.
+With --types, the tensors are random blocks of each type at SmolLM2's shapes (those the type's block size
+divides: 256-weight K-quant blocks fit only down_proj's 1536 inputs), 8 copies round robin.
 """
 
 import argparse
@@ -13,7 +16,7 @@ import time
 
 import torch
 
-from blockspec.layers.quant import kernels
+from blockspec.layers.quant import QUANT_TYPES, Blocks, kernels
 from blockspec.models.default_model import gguf_path
 from blockspec.models.gguf_checkpoint import GGUFCheckpoint
 
@@ -24,6 +27,29 @@ SHAPES = {  # HF tensor name pattern -> label
     "model.layers.{}.mlp.down_proj.weight": "down_proj 576x1536",
 }
 VARIANT_NAMES = {1: "portable", 2: "AVX2", 3: "AVX-VNNI", 4: "AVX512-VNNI"}
+SIZES = {"q_proj 576x576": (576, 576), "k_proj 192x576": (192, 576), "gate_proj 1536x576": (1536, 576),
+         "down_proj 576x1536": (576, 1536), "lm_head 49152x576": (49152, 576)}
+SCALE_AT = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,), "q4_k": (0, 2),
+            "q5_k": (0, 2), "q6_k": (208,)}  # where each type's fp16 scales sit in a block
+
+
+def random_blocks(name: str, rows: int, cols: int) -> Blocks:
+    """Random quants and sub-scales with small finite fp16 scales (the speed does not depend on values)."""
+    qt = QUANT_TYPES[name]
+    data = torch.randint(0, 256, (rows, cols // qt.block_elems, qt.block_bytes), dtype=torch.uint8)
+    for at in SCALE_AT[name]:
+        scale = (torch.rand(rows, data.shape[1]) * 0.01 + 1e-4).half()
+        data[:, :, at : at + 2] = scale.view(torch.uint8).view(rows, data.shape[1], 2)
+    return Blocks(qt, data.reshape(rows, -1).contiguous(), cols)
+
+
+def synthetic_cases(types: str) -> list[tuple[str, list[Blocks]]]:
+    cases = []
+    for name in types.split(","):
+        for label, (n, k) in SIZES.items():
+            if k % QUANT_TYPES[name].block_elems == 0:
+                cases.append((label, [random_blocks(name, n, k) for _ in range(2 if n > 10000 else 8)]))
+    return cases
 
 
 def timed(fn) -> float:
@@ -37,18 +63,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", default="1,2,5,9,17,33,64")
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--types", default=None, help="random blocks of these types instead of SmolLM2's own")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    checkpoint = GGUFCheckpoint(gguf_path())
     op = kernels()
     variants = [v for v in op.int8_variants() if v > 1]  # the portable path is a reference, not a contender
     forms = [f"int8 {VARIANT_NAMES[v]}" for v in variants] + ["fp32"]
     print(f"threads={args.threads}; median us per call (G multiply-adds/s)\n")
     print("| tensor | type | rows | " + " | ".join(forms) + " | best int8 vs fp32 |")
     print("|---|---|---|" + "---|" * len(forms) + "---|")
-    cases = [(label, [checkpoint.get(pattern.format(i)) for i in range(30)])
-             for pattern, label in SHAPES.items()]
-    cases.append(("lm_head 49152x576", [checkpoint.get("model.embed_tokens.weight")] * 2))
+    if args.types:
+        cases = synthetic_cases(args.types)
+    else:
+        checkpoint = GGUFCheckpoint(gguf_path())
+        cases = [(label, [checkpoint.get(pattern.format(i)) for i in range(30)])
+                 for pattern, label in SHAPES.items()]
+        cases.append(("lm_head 49152x576", [checkpoint.get("model.embed_tokens.weight")] * 2))
     for label, tensors in cases:
         packed = [op.int8_pack(t.data, t.qtype.ggml_id) for t in tensors]
         n, k = tensors[0].shape
