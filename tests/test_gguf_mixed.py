@@ -1,6 +1,7 @@
 """GGUF files that mix block types, as llama.cpp's recipes make them (Q4_K_M: Q4_K, Q6_K for v and down on
 some layers, Q8_0 / Q6_K heads, F32 norms): every tensor loads in its own type, fused q/k/v of several types
-included, and greedy DFlash equals plain decoding on them, with fp32 and with int8 activations. The files are
+included (through the one-op layer stack too), and greedy DFlash equals plain decoding on them, with fp32 and
+with int8 activations. The files are
 written here from random blocks (any byte pattern is a block), at widths the K-quants' 256 divide."""
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ def test_greedy_dflash_equals_plain_on_mixed_files(mixed, activations):
     if activations == "int8":
         target.use_int8_activations()
     assert target.layers[1].mlp.down_proj.quant.activations == activations
+    assert target.block_stack() is not None  # the one-op layer stack runs the mixed layers too
     prompts = [[1, 2, 3], [5, 9, 11, 40, 7, 3, 3, 8]]
     params = SamplingParams(max_tokens=24)
     plain = engine.run([Sequence(p, params, frozenset()) for p in prompts], False)

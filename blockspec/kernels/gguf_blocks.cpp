@@ -31,10 +31,8 @@ int64_t block_bytes(int64_t qtype) {
   return 0;
 }
 
-namespace {
-
-// Q4_K / Q5_K: sub-block j's 6-bit scale and min in the 12 packed bytes (ggml's get_scale_min_k4).
-void scale_min(const uint8_t* s, int64_t j, uint8_t& sc, uint8_t& mn) {
+// ggml's get_scale_min_k4.
+void k_scale_min(const uint8_t* s, int64_t j, uint8_t& sc, uint8_t& mn) {
   if (j < 4) {
     sc = s[j] & 63, mn = s[j + 4] & 63;
   } else {
@@ -42,6 +40,8 @@ void scale_min(const uint8_t* s, int64_t j, uint8_t& sc, uint8_t& mn) {
     mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
   }
 }
+
+namespace {
 
 void put_scale_min(uint8_t* s, int64_t j, uint8_t sc, uint8_t mn) {
   if (j < 4) {
@@ -93,7 +93,7 @@ void read_sub(int64_t qtype, const uint8_t* p, int64_t s, Sub& out) {
     case kQ4_K:
     case kQ5_K: {
       out.d = load_u16(p), out.m = load_u16(p + 2);
-      scale_min(p + 4, s, out.sc, out.mn);
+      k_scale_min(p + 4, s, out.sc, out.mn);
       const uint8_t* qs = p + (qtype == kQ4_K ? 16 : 48) + 32 * (s / 2);
       for (int l = 0; l < 32; ++l) {
         out.q[l] = (qs[l] >> (4 * (s % 2))) & 0xF;

@@ -28,6 +28,9 @@ struct Sub {
   uint8_t q[32];
 };
 
+// Q4_K / Q5_K: sub-block j's 6-bit scale and min in the super-block's 12 packed bytes.
+void k_scale_min(const uint8_t* scales, int64_t j, uint8_t& sc, uint8_t& mn);
+
 // Sub-block `s` (0 .. elems / 32 - 1) of the stored block at p.
 void read_sub(int64_t qtype, const uint8_t* p, int64_t s, Sub& out);
 // Its bits written back into the stored block at p (which must start zeroed: bits are or-ed in).

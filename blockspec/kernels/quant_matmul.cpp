@@ -86,15 +86,70 @@ AVX2 inline __m256i widen_i8(const uint8_t* p) {
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
-// Sub-block b of a stored row. Q4_0, Q4_1, Q8_0: in vector code (their products are exact, so the same
-// values as the portable reader's); the other types through the portable reader.
+// 8 bytes widened, shifted right by `shift` and masked: 8 quants (or their high bits).
+AVX2 inline __m256i bits_u8(const uint8_t* p, int shift, int mask) {
+  return _mm256_and_si256(_mm256_srl_epi32(widen_u8(p), _mm_cvtsi32_si128(shift)), _mm256_set1_epi32(mask));
+}
+
+// A legacy 5-bit block's 32 quants (qs: nibbles, qh: the fifth bits as a u32), 8 per part.
+AVX2 inline void q5_quants(const uint8_t* qs, const uint8_t* qh, __m256i* q) {
+  int32_t bits;
+  std::memcpy(&bits, qh, 4);
+  const __m256i high = _mm256_set1_epi32(bits);
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), one = _mm256_set1_epi32(1);
+  for (int part = 0; part < 4; ++part) {
+    const __m256i bit = _mm256_srlv_epi32(high, _mm256_add_epi32(lanes, _mm256_set1_epi32(8 * part)));
+    q[part] = _mm256_or_si256(bits_u8(qs + 8 * (part % 2), 4 * (part / 2), 0xF),
+                              _mm256_slli_epi32(_mm256_and_si256(bit, one), 4));
+  }
+}
+
+// Sub-block b of a stored row in vector code: the portable reader's values (gguf-py's), computed by the
+// same operations (exact products, the same single roundings).
 template <int64_t QT>
 AVX2 inline void dequant(const uint8_t* row, int64_t b, __m256* w) {
-  if constexpr (QT != kQ4_0 && QT != kQ4_1 && QT != kQ8_0) {
-    alignas(32) float v[32];
-    dequant_row_sub(QT, row, b, v);
-    for (int part = 0; part < 4; ++part) w[part] = _mm256_load_ps(v + 8 * part);
-    return;
+  if constexpr (QT == kQ5_0 || QT == kQ5_1) {
+    const uint8_t* p = row + b * block_bytes(QT);
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
+    __m256i q[4];
+    q5_quants(p + (QT == kQ5_0 ? 6 : 8), p + (QT == kQ5_0 ? 2 : 4), q);
+    for (int part = 0; part < 4; ++part) {
+      if constexpr (QT == kQ5_0) {
+        w[part] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[part], _mm256_set1_epi32(16))));
+      } else {
+        const __m256 m = _mm256_set1_ps(_cvtsh_ss(load_u16(p + 2)));
+        w[part] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[part]), d, m);
+      }
+    }
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    const uint8_t* p = row + b / 8 * block_bytes(QT);
+    const int s = static_cast<int>(b % 8);
+    uint8_t sc, mn;
+    k_scale_min(p + 4, s, sc, mn);
+    const float scale = _cvtsh_ss(load_u16(p)) * static_cast<float>(sc);
+    const float min = _cvtsh_ss(load_u16(p + 2)) * static_cast<float>(mn);
+    const __m256 vs = _mm256_set1_ps(scale), vm = _mm256_set1_ps(-min);
+    const uint8_t* qs = p + (QT == kQ4_K ? 16 : 48) + 32 * (s / 2);
+    for (int part = 0; part < 4; ++part) {
+      __m256i q = bits_u8(qs + 8 * part, 4 * (s % 2), 0xF);
+      if constexpr (QT == kQ5_K)
+        q = _mm256_or_si256(q, _mm256_slli_epi32(bits_u8(p + 16 + 8 * part, s, 1), 4));
+      w[part] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), vs, vm);
+    }
+  } else if constexpr (QT == kQ6_K) {
+    const uint8_t* p = row + b / 8 * block_bytes(QT);
+    const int s = static_cast<int>(b % 8), h = s / 4;
+    const float d = _cvtsh_ss(load_u16(p + 208));
+    const __m256 lo = _mm256_set1_ps(d * static_cast<float>(static_cast<int8_t>(p[192 + 2 * s])));
+    const __m256 hi = _mm256_set1_ps(d * static_cast<float>(static_cast<int8_t>(p[192 + 2 * s + 1])));
+    const uint8_t* ql = p + 64 * h + 32 * (s % 2);
+    const uint8_t* qh = p + 128 + 32 * h;
+    for (int part = 0; part < 4; ++part) {
+      const __m256i q = _mm256_or_si256(bits_u8(ql + 8 * part, 4 * ((s % 4) / 2), 0xF),
+                                        _mm256_slli_epi32(bits_u8(qh + 8 * part, 2 * (s % 4), 3), 4));
+      w[part] = _mm256_mul_ps(part < 2 ? lo : hi,
+                              _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(32))));
+    }
   } else {
     constexpr int64_t bytes = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : 34;
     const uint8_t* p = row + b * bytes;
@@ -123,7 +178,9 @@ AVX2 inline void dequant(const uint8_t* row, int64_t b, __m256* w) {
 template <int64_t QT, int NT, int R>
 AVX2 void tile_avx2(const uint8_t* wrow, int64_t stride, int64_t nblocks, const float* x, int64_t ldx,
                     float* y, int64_t ldy) {
-  constexpr int64_t bytes = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : QT == kQ8_0 ? 34 : 0;
+  constexpr int64_t elems = QT == kQ4_K || QT == kQ5_K || QT == kQ6_K ? 256 : 32;
+  constexpr int64_t bytes = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : QT == kQ5_0 ? 22 : QT == kQ5_1 ? 24
+                            : QT == kQ8_0 ? 34 : QT == kQ4_K ? 144 : QT == kQ5_K ? 176 : 210;
   __m256 acc[NT][R];
 #pragma GCC unroll 8
   for (int n = 0; n < NT; ++n)
@@ -134,8 +191,7 @@ AVX2 void tile_avx2(const uint8_t* wrow, int64_t stride, int64_t nblocks, const 
 #pragma GCC unroll 8
     for (int n = 0; n < NT; ++n) {
       const uint8_t* row = wrow + n * stride;
-      if constexpr (bytes != 0)
-        _mm_prefetch(reinterpret_cast<const char*>(row + b * bytes + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row + b * 32 / elems * bytes + kPrefetch), _MM_HINT_T0);
       __m256 w[4];
       dequant<QT>(row, b, w);
 #pragma GCC unroll 8

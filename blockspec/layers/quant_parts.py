@@ -4,7 +4,7 @@ llama.cpp's Q4_K_M (and every mixed recipe) picks a type per tensor: a layer's q
 row is not a multiple of 256) and its v in Q6_K (Q8_0) on some layers. Blocks are kept as stored, so a
 fused q/k/v holds one `QuantWeight` per part, each in its own type, and multiplies them side by side: each
 output is computed by its part's kernel exactly as it would be alone (a row's result still depends on that
-row alone). The one-op layer stack takes single-type weights only, so such layers run one op at a time.
+row alone). The one-op layer stack (kernels/layer_stack.cpp) takes the parts as they are.
 """
 
 from __future__ import annotations
