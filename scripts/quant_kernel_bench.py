@@ -2,17 +2,19 @@
 has) against fp32 activations, per shape and row count: microseconds per call and multiply-adds per second.
 
     PYTHONPATH=. python scripts/quant_kernel_bench.py [--threads 2] [--rows 1,2,5,9,17,33,64] [--rounds 30]
-        [--types q4_k,q6_k,q8_0,...]
+        [--types q4_k,q6_k,q8_0,... | --gguf FILE]
 
 Each call takes the next layer's tensor (30 layers round robin), so the weights come from memory or the last
 level of cache as in a step, not from L1; the forms alternate call by call; medians. Prints a markdown table.
-With --types, the tensors are random blocks of each type at SmolLM2's shapes (those the type's block size
+With --gguf, another file of the model (a requantized one from make_gguf_variants.py): its tensors of each
+shape grouped by their type. With --types, the tensors are random blocks of each type at SmolLM2's shapes (those the type's block size
 divides: 256-weight K-quant blocks fit only down_proj's 1536 inputs), 8 copies round robin.
 """
 
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -64,6 +66,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,5,9,17,33,64")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--types", default=None, help="random blocks of these types instead of SmolLM2's own")
+    parser.add_argument("--gguf", type=Path, default=None, help="this file's tensors instead of the embedded")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     op = kernels()
@@ -75,10 +78,15 @@ def main() -> None:
     if args.types:
         cases = synthetic_cases(args.types)
     else:
-        checkpoint = GGUFCheckpoint(gguf_path())
-        cases = [(label, [checkpoint.get(pattern.format(i)) for i in range(30)])
-                 for pattern, label in SHAPES.items()]
-        cases.append(("lm_head 49152x576", [checkpoint.get("model.embed_tokens.weight")] * 2))
+        checkpoint = GGUFCheckpoint(args.gguf or gguf_path())
+        cases = []
+        for pattern, label in list(SHAPES.items()) + [("model.embed_tokens.weight", "lm_head 49152x576")]:
+            by_type: dict[str, list[Blocks]] = {}
+            for i in range(30):
+                tensor = checkpoint.get(pattern.format(i))
+                if isinstance(tensor, Blocks):  # float tensors have no block kernel
+                    by_type.setdefault(tensor.qtype.name, []).append(tensor)
+            cases += [(label, tensors * max(1, 2 // len(tensors))) for tensors in by_type.values()]
     for label, tensors in cases:
         packed = [op.int8_pack(t.data, t.qtype.ggml_id) for t in tensors]
         n, k = tensors[0].shape

@@ -12,6 +12,7 @@ from blockspec.layers.quant import QUANT_TYPES, Blocks, kernels
 
 OPS = kernels()
 TYPES = sorted(QUANT_TYPES)
+BLOCK_TYPES = [name for name in TYPES if not QUANT_TYPES[name].floats]  # those with an int8 form
 ROWS = (1, 2, 5, 9, 17, 33, 64)
 
 
@@ -25,14 +26,18 @@ def random_bytes(qtype: str, rows: int, cols: int, seed: int = 0) -> torch.Tenso
 
 # Where each type keeps its fp16 scales (d, and m or dmin), by byte offset within a block.
 SCALE_AT = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,), "q4_k": (0, 2),
-            "q5_k": (0, 2), "q6_k": (208,)}
+            "q5_k": (0, 2), "q6_k": (208,), "f16": (), "bf16": ()}
 
 
 def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
-    """Arbitrary quants and sub-scales with finite fp16 scales of varied size (for matmuls to compare)."""
+    """Arbitrary quants and sub-scales with finite fp16 scales of varied size (for matmuls to compare);
+    F16 / BF16: normal values."""
     qt = QUANT_TYPES[qtype]
-    data = random_bytes(qtype, rows, cols, seed).view(rows, -1, qt.block_bytes)
     gen = torch.Generator().manual_seed(seed + 1)
+    if qt.floats:
+        values = torch.randn(rows, cols, generator=gen) * 0.05
+        return values.to(torch.float16 if qtype == "f16" else torch.bfloat16).view(torch.uint8).contiguous()
+    data = random_bytes(qtype, rows, cols, seed).view(rows, -1, qt.block_bytes)
     for at in SCALE_AT[qtype]:
         scale = (torch.rand(rows, data.shape[1], generator=gen) * 0.02 + 1e-4).half()
         data[:, :, at : at + 2] = scale.view(torch.uint8).view(rows, data.shape[1], 2)
@@ -62,7 +67,7 @@ def test_dequantization_is_gguf_py_bit_for_bit_on_any_bytes(qtype):
                          gguf_dequantize(qtype, data))
 
 
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
 def test_the_repacked_form_holds_every_stored_bit(qtype):
     """Packing for int8 activations and back gives the file's bytes; lookups from it dequantize as stored."""
     qt = QUANT_TYPES[qtype]
@@ -113,10 +118,25 @@ def test_types_blockspec_does_not_read_are_refused_by_name(tmp_path):
     with pytest.raises(ModelLoadError) as caught:
         checkpoint.stored_type("model.layers.0.mlp.down_proj.weight")
     message = str(caught.value)
-    for part in ("blk.0.ffn_down.weight", "IQ4_NL", "Q4_K, Q5_K, Q6_K", "BF16", "llama-quantize", "Q4_K_M"):
+    for part in ("blk.0.ffn_down.weight", "IQ4_NL", "Q4_K, Q5_K, Q6_K", "BF16", "F32", "llama-quantize",
+                 "Q4_K_M"):
         assert part in message, part
     # --quantization none still runs it, dequantized by gguf-py
     assert checkpoint.get("model.layers.0.mlp.down_proj.weight").shape == (4, 64)
+
+
+def test_float_weights_are_held_as_stored_and_take_fp32_activations():
+    from blockspec.layers.quant import QuantWeight
+
+    for name in ("f16", "bf16"):
+        data = random_blocks(name, 9, 64, seed=7)
+        weight = QuantWeight(9, 64, QUANT_TYPES[name])
+        weight.load_rows(slice(None), Blocks(QUANT_TYPES[name], data, 64).dequantize())  # as a file arrives
+        assert torch.equal(weight.data, data)  # converted back exactly
+        weight.use_int8()
+        assert weight.activations == "fp32" and torch.equal(weight.data, data)
+        with pytest.raises(RuntimeError, match="no int8 form"):
+            OPS.int8_pack(data, QUANT_TYPES[name].ggml_id)
 
 
 def test_bad_type_ids_and_shapes_are_refused():

@@ -29,6 +29,11 @@ RECIPES = {
     "q5_k_m": {"token_embd": "q5_k", "output": "q6_k", "attn_q": "q5_k", "attn_k": "q5_k",
                "attn_v": ("q5_k", "q6_k"), "attn_output": "q5_k", "ffn_gate": "q5_k", "ffn_up": "q5_k",
                "ffn_down": ("q5_k", "q6_k")},
+    # F16 and BF16 files: every weight as stored, converted in the kernel (fp32 activations only)
+    "f16": {role: "f16" for role in ("token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output",
+                                     "ffn_gate", "ffn_up", "ffn_down")},
+    "bf16": {role: "bf16" for role in ("token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output",
+                                      "ffn_gate", "ffn_up", "ffn_down")},
     # SmolLM2-like fallbacks (rows not a multiple of 256 in the real file): Q5_0 / Q5_1 / Q8_0 mixed
     "legacy": {"token_embd": "q8_0", "output": "q8_0", "attn_q": "q5_0", "attn_k": "q5_1",
                "attn_v": ("q5_0", "q8_0"), "attn_output": "q4_0", "ffn_gate": "q5_0", "ffn_up": "q4_1",
@@ -123,10 +128,11 @@ def test_every_tensor_keeps_its_own_type(mixed):
 
 @pytest.mark.parametrize("activations", ["fp32", "int8"])
 def test_greedy_dflash_equals_plain_on_mixed_files(mixed, activations):
-    _, target, engine = mixed
+    recipe, target, engine = mixed
     if activations == "int8":
         target.use_int8_activations()
-    assert target.layers[1].mlp.down_proj.quant.activations == activations
+    floats = QUANT_TYPES[type_of(recipe, "ffn_down", 1)].floats  # F16 / BF16 weights take fp32 activations
+    assert target.layers[1].mlp.down_proj.quant.activations == ("fp32" if floats else activations)
     assert target.block_stack() is not None  # the one-op layer stack runs the mixed layers too
     prompts = [[1, 2, 3], [5, 9, 11, 40, 7, 3, 3, 8]]
     params = SamplingParams(max_tokens=24)

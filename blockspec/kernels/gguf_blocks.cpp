@@ -24,10 +24,12 @@ int64_t block_bytes(int64_t qtype) {
     case kQ4_K: return 144;  // d, dmin, scales[12], qs[128]: w = d sc q - dmin mn
     case kQ5_K: return 176;  // d, dmin, scales[12], qh[32], qs[128]
     case kQ6_K: return 210;  // ql[128], qh[64], int8 scales[16], d: w = d sc (q - 32)
+    case kF16:
+    case kBF16: return 64;   // 32 values
   }
   TORCH_CHECK(false, "blockspec kernels: unsupported GGML type id ", qtype,
-              "; supported: 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K), "
-              "14 (Q6_K)");
+              "; supported: 1 (F16), 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K), "
+              "14 (Q6_K), 30 (BF16)");
   return 0;
 }
 
@@ -186,25 +188,41 @@ void dequant_sub(int64_t qtype, const Sub& sub, float* w) {
   block_bytes(qtype);
 }
 
+void dequant_row_sub(int64_t qtype, const uint8_t* row, int64_t b, float* w) {
+  if (is_float(qtype)) {
+    for (int j = 0; j < 32; ++j) {
+      const uint16_t bits = load_u16(row + 64 * b + 2 * j);
+      if (qtype == kF16) {
+        w[j] = half_to_float(bits);
+      } else {
+        const uint32_t wide = static_cast<uint32_t>(bits) << 16;  // bf16: the top half of a float32
+        std::memcpy(w + j, &wide, 4);
+      }
+    }
+    return;
+  }
+  const int64_t subs = block_elems(qtype) / 32;
+  Sub sub;
+  read_sub(qtype, row + b / subs * block_bytes(qtype), b % subs, sub);
+  dequant_sub(qtype, sub, w);
+}
+
 // Rows `ids` of the dequantized weight [len(ids), K] (an embedding lookup from stored blocks).
 at::Tensor quant_rows(const at::Tensor& blocks, const at::Tensor& ids, int64_t qtype) {
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "blockspec quant_rows: blocks must be a contiguous 2-D uint8 tensor");
   const int64_t bytes = block_bytes(qtype), elems = block_elems(qtype), nblocks = blocks.size(1) / bytes;
-  const int64_t k = nblocks * elems, subs = elems / 32;
+  const int64_t k = nblocks * elems;
   const at::Tensor idx = ids.to(at::kLong).contiguous();
   at::Tensor out = at::empty({idx.numel(), k}, at::TensorOptions().dtype(at::kFloat));
   const int64_t* ip = idx.data_ptr<int64_t>();
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  Sub sub;
   for (int64_t i = 0; i < idx.numel(); ++i) {
     TORCH_CHECK(ip[i] >= 0 && ip[i] < blocks.size(0), "blockspec quant_rows: row ", ip[i],
                 " is outside [0, ", blocks.size(0), ")");
-    for (int64_t b = 0; b < nblocks * subs; ++b) {
-      read_sub(qtype, w + ip[i] * blocks.size(1) + b / subs * bytes, b % subs, sub);
-      dequant_sub(qtype, sub, op + i * k + b * 32);
-    }
+    for (int64_t b = 0; b < k / 32; ++b)
+      dequant_row_sub(qtype, w + ip[i] * blocks.size(1), b, op + i * k + b * 32);
   }
   return out;
 }

@@ -10,8 +10,11 @@
 
 namespace blockspec_kernels {
 
-// GGML type ids, as gguf.GGMLQuantizationType numbers them.
+// GGML type ids, as gguf.GGMLQuantizationType numbers them. F16 and BF16 are read as blocks of 32 values
+// (64 bytes): a float weight held as stored, converted where it is used.
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+constexpr int64_t kF16 = 1, kBF16 = 30;
+constexpr bool is_float(int64_t qtype) { return qtype == kF16 || qtype == kBF16; }
 
 // Weights per stored block (32, or 256 for the K-quants' super-blocks) and its bytes; refuses other types.
 int64_t block_elems(int64_t qtype);
@@ -37,6 +40,8 @@ void read_sub(int64_t qtype, const uint8_t* p, int64_t s, Sub& out);
 void write_sub(int64_t qtype, const Sub& sub, int64_t s, uint8_t* p);
 // Its 32 weights in fp32, as gguf-py computes them.
 void dequant_sub(int64_t qtype, const Sub& sub, float* w);
+// Sub-block b (weights 32 b .. 32 b + 31) of a stored row, every type (the float ones too), in fp32.
+void dequant_row_sub(int64_t qtype, const uint8_t* row, int64_t b, float* w);
 
 inline uint16_t load_u16(const uint8_t* p) {
   uint16_t v;

@@ -140,6 +140,8 @@ using namespace int8_detail;
 at::Tensor int8_pack(const at::Tensor& blocks, int64_t qtype) {
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "blockspec int8_pack: blocks must be a contiguous 2-D uint8 tensor");
+  TORCH_CHECK(!is_float(qtype), "blockspec int8_pack: F16 / BF16 weights have no int8 form; they take fp32 "
+              "activations (quant_matmul)");
   const int64_t bytes = block_bytes(qtype), subs = block_elems(qtype) / 32, n = blocks.size(0);
   const int64_t stored = blocks.size(1) / bytes, nb = stored * subs;
   TORCH_CHECK(blocks.size(1) == stored * bytes, "blockspec int8_pack: rows of ", blocks.size(1),

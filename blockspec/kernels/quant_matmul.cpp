@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 
 #include "gguf_blocks.h"
+#include "gguf_dequant_avx2.h"
 #include "ops.h"
 
 #include <cmath>
@@ -28,14 +29,6 @@ namespace blockspec_kernels {
 constexpr int64_t kBlock = 32;  // weights per sub-block: the unit every kernel steps by
 
 // ---- portable path ------------------------------------------------------------------------------------
-
-// Sub-block b (32 weights) of a row of stored blocks, in element order, as gguf-py dequantizes it.
-inline void dequant_row_sub(int64_t qtype, const uint8_t* row, int64_t b, float* w) {
-  const int64_t subs = block_elems(qtype) / 32;
-  Sub sub;
-  read_sub(qtype, row + b / subs * block_bytes(qtype), b % subs, sub);
-  dequant_sub(qtype, sub, w);
-}
 
 // The AVX2 path's horizontal sum of 8 lanes, in its order.
 inline float lane_sum(const float* a) {
@@ -64,6 +57,7 @@ void rows_portable(int64_t qtype, const uint8_t* wrow, int64_t nblocks, const fl
 // ---- AVX2 path ----------------------------------------------------------------------------------------
 
 #ifdef BLOCKSPEC_X86
+using namespace dequant_avx2;
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 // Bytes ahead of the block being read that each output's stream prefetches: the weights come from memory
@@ -78,100 +72,6 @@ AVX2 inline float hsum(__m256 v) {
   return _mm_cvtss_f32(a);
 }
 
-// 8 bytes widened to 8 int32 lanes straight from memory (one shuffle; the load folds into it).
-AVX2 inline __m256i widen_u8(const uint8_t* p) {
-  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-}
-AVX2 inline __m256i widen_i8(const uint8_t* p) {
-  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-}
-
-// 8 bytes widened, shifted right by `shift` and masked: 8 quants (or their high bits).
-AVX2 inline __m256i bits_u8(const uint8_t* p, int shift, int mask) {
-  return _mm256_and_si256(_mm256_srl_epi32(widen_u8(p), _mm_cvtsi32_si128(shift)), _mm256_set1_epi32(mask));
-}
-
-// A legacy 5-bit block's 32 quants (qs: nibbles, qh: the fifth bits as a u32), 8 per part.
-AVX2 inline void q5_quants(const uint8_t* qs, const uint8_t* qh, __m256i* q) {
-  int32_t bits;
-  std::memcpy(&bits, qh, 4);
-  const __m256i high = _mm256_set1_epi32(bits);
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), one = _mm256_set1_epi32(1);
-  for (int part = 0; part < 4; ++part) {
-    const __m256i bit = _mm256_srlv_epi32(high, _mm256_add_epi32(lanes, _mm256_set1_epi32(8 * part)));
-    q[part] = _mm256_or_si256(bits_u8(qs + 8 * (part % 2), 4 * (part / 2), 0xF),
-                              _mm256_slli_epi32(_mm256_and_si256(bit, one), 4));
-  }
-}
-
-// Sub-block b of a stored row in vector code: the portable reader's values (gguf-py's), computed by the
-// same operations (exact products, the same single roundings).
-template <int64_t QT>
-AVX2 inline void dequant(const uint8_t* row, int64_t b, __m256* w) {
-  if constexpr (QT == kQ5_0 || QT == kQ5_1) {
-    const uint8_t* p = row + b * block_bytes(QT);
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
-    __m256i q[4];
-    q5_quants(p + (QT == kQ5_0 ? 6 : 8), p + (QT == kQ5_0 ? 2 : 4), q);
-    for (int part = 0; part < 4; ++part) {
-      if constexpr (QT == kQ5_0) {
-        w[part] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[part], _mm256_set1_epi32(16))));
-      } else {
-        const __m256 m = _mm256_set1_ps(_cvtsh_ss(load_u16(p + 2)));
-        w[part] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[part]), d, m);
-      }
-    }
-  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
-    const uint8_t* p = row + b / 8 * block_bytes(QT);
-    const int s = static_cast<int>(b % 8);
-    uint8_t sc, mn;
-    k_scale_min(p + 4, s, sc, mn);
-    const float scale = _cvtsh_ss(load_u16(p)) * static_cast<float>(sc);
-    const float min = _cvtsh_ss(load_u16(p + 2)) * static_cast<float>(mn);
-    const __m256 vs = _mm256_set1_ps(scale), vm = _mm256_set1_ps(-min);
-    const uint8_t* qs = p + (QT == kQ4_K ? 16 : 48) + 32 * (s / 2);
-    for (int part = 0; part < 4; ++part) {
-      __m256i q = bits_u8(qs + 8 * part, 4 * (s % 2), 0xF);
-      if constexpr (QT == kQ5_K)
-        q = _mm256_or_si256(q, _mm256_slli_epi32(bits_u8(p + 16 + 8 * part, s, 1), 4));
-      w[part] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), vs, vm);
-    }
-  } else if constexpr (QT == kQ6_K) {
-    const uint8_t* p = row + b / 8 * block_bytes(QT);
-    const int s = static_cast<int>(b % 8), h = s / 4;
-    const float d = _cvtsh_ss(load_u16(p + 208));
-    const __m256 lo = _mm256_set1_ps(d * static_cast<float>(static_cast<int8_t>(p[192 + 2 * s])));
-    const __m256 hi = _mm256_set1_ps(d * static_cast<float>(static_cast<int8_t>(p[192 + 2 * s + 1])));
-    const uint8_t* ql = p + 64 * h + 32 * (s % 2);
-    const uint8_t* qh = p + 128 + 32 * h;
-    for (int part = 0; part < 4; ++part) {
-      const __m256i q = _mm256_or_si256(bits_u8(ql + 8 * part, 4 * ((s % 4) / 2), 0xF),
-                                        _mm256_slli_epi32(bits_u8(qh + 8 * part, 2 * (s % 4), 3), 4));
-      w[part] = _mm256_mul_ps(part < 2 ? lo : hi,
-                              _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(32))));
-    }
-  } else {
-    constexpr int64_t bytes = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : 34;
-    const uint8_t* p = row + b * bytes;
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
-    if constexpr (QT == kQ8_0) {
-      for (int part = 0; part < 4; ++part)
-        w[part] = _mm256_mul_ps(_mm256_cvtepi32_ps(widen_i8(p + 2 + 8 * part)), d);
-    } else {
-      const __m256 m = QT == kQ4_1 ? _mm256_set1_ps(_cvtsh_ss(load_u16(p + 2)))
-                                   : _mm256_mul_ps(_mm256_set1_ps(-8.0f), d);
-      const uint8_t* q = p + (QT == kQ4_1 ? 4 : 2);
-      // Bytes 0-7 and 8-15, each widened once: their low nibbles are elements 0-15, their high ones 16-31.
-      const __m256i nibble = _mm256_set1_epi32(0xF);
-      const __m256i b0 = widen_u8(q), b1 = widen_u8(q + 8);
-      w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, nibble)), d, m);
-      w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, nibble)), d, m);
-      w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), d, m);
-      w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), d, m);
-    }
-  }
-}
-
 // NT consecutive outputs (weight rows `wrow`, `stride` bytes apart) times R activation rows: each of the
 // NT * R dot products in its own accumulator, in the one fixed order. Several outputs per pass keep
 // independent FMA chains in flight for a single row; several rows per pass dequantize each block once.
@@ -180,7 +80,8 @@ AVX2 void tile_avx2(const uint8_t* wrow, int64_t stride, int64_t nblocks, const 
                     float* y, int64_t ldy) {
   constexpr int64_t elems = QT == kQ4_K || QT == kQ5_K || QT == kQ6_K ? 256 : 32;
   constexpr int64_t bytes = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : QT == kQ5_0 ? 22 : QT == kQ5_1 ? 24
-                            : QT == kQ8_0 ? 34 : QT == kQ4_K ? 144 : QT == kQ5_K ? 176 : 210;
+                            : QT == kQ8_0 ? 34 : QT == kQ4_K ? 144 : QT == kQ5_K ? 176 : QT == kQ6_K ? 210
+                            : 64;  // F16, BF16: 32 values
   __m256 acc[NT][R];
 #pragma GCC unroll 8
   for (int n = 0; n < NT; ++n)
@@ -264,6 +165,8 @@ void outputs(int64_t qtype, const uint8_t* w, int64_t stride, int64_t nblocks, c
       case kQ4_K: return outputs_avx2<kQ4_K>(w, stride, nblocks, x, ldx, rows, y, ldy, n0, n1);
       case kQ5_K: return outputs_avx2<kQ5_K>(w, stride, nblocks, x, ldx, rows, y, ldy, n0, n1);
       case kQ6_K: return outputs_avx2<kQ6_K>(w, stride, nblocks, x, ldx, rows, y, ldy, n0, n1);
+      case kF16: return outputs_avx2<kF16>(w, stride, nblocks, x, ldx, rows, y, ldy, n0, n1);
+      case kBF16: return outputs_avx2<kBF16>(w, stride, nblocks, x, ldx, rows, y, ldy, n0, n1);
     }
   }
 #endif

@@ -39,14 +39,19 @@ class QuantType:
     block_elems: int = BLOCK  # weights per stored block (256: a K-quant super-block)
     requantizable: bool = True  # gguf.quants.quantize makes it (not the K-quants)
 
+    @property
+    def floats(self) -> bool:
+        """F16 / BF16: values as stored (blocks of 32 of them), multiplied with fp32 activations only."""
+        return self.name in ("f16", "bf16")
+
 
 QUANT_TYPES = {t.name: t for t in (
     QuantType("q4_0", 2, 18), QuantType("q4_1", 3, 20), QuantType("q5_0", 6, 22), QuantType("q5_1", 7, 24),
     QuantType("q8_0", 8, 34), QuantType("q4_k", 12, 144, 256, False), QuantType("q5_k", 13, 176, 256, False),
-    QuantType("q6_k", 14, 210, 256, False))}
+    QuantType("q6_k", 14, 210, 256, False), QuantType("f16", 1, 64, 32, False),
+    QuantType("bf16", 30, 64, 32, False))}
 BY_GGML_ID = {t.ggml_id: t for t in QUANT_TYPES.values()}
-# Float tensor types a checkpoint may hold (read as dense fp32): F32, F16, BF16.
-FLOAT_GGML_IDS = {0: "F32", 1: "F16", 30: "BF16"}
+F32_GGML_ID = 0  # read as a dense fp32 tensor
 
 
 def quant_type(name: str) -> QuantType:
@@ -97,8 +102,9 @@ class QuantWeight:
         return self.activations == "int8"
 
     def use_int8(self) -> None:
-        """Repack the loaded blocks for int8 activations (in place, once; the stored rows are not kept)."""
-        if not self.packed:
+        """Repack the loaded blocks for int8 activations (in place, once; the stored rows are not kept).
+        F16 / BF16 weights stay as they are (fp32 activations: there is no integer form of a float)."""
+        if not self.packed and not self.qtype.floats:
             self.data = kernels().int8_pack(self.data, self.qtype.ggml_id)
             self.activations = "int8"
 
@@ -115,6 +121,11 @@ class QuantWeight:
             raise ValueError("QuantWeight.load_rows: load a weight before repacking it (use_int8).")
         if isinstance(tensor, Blocks) and tensor.qtype == self.qtype:
             self.data[rows].copy_(tensor.data)
+            return
+        if self.qtype.floats:  # a file's F16 / BF16 values arrive as fp32: converted back exactly
+            dense = tensor.dequantize() if isinstance(tensor, Blocks) else tensor
+            half = dense.to(torch.float16 if self.qtype.name == "f16" else torch.bfloat16).contiguous()
+            self.data[rows].copy_(half.view(torch.uint8).view(dense.shape[0], -1))
             return
         if not self.qtype.requantizable:
             given = tensor.qtype.name if isinstance(tensor, Blocks) else "a float tensor"

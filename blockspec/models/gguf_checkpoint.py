@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 from blockspec.errors import ModelLoadError
-from blockspec.layers.quant import BY_GGML_ID, FLOAT_GGML_IDS, Blocks, QuantType
+from blockspec.layers.quant import BY_GGML_ID, Blocks, QuantType
 from blockspec.models.gguf_convert import INSTALL_HINT, hf_name, unpermute
 from blockspec.models.gguf_file import BF16, F16, F32, GGUFFile
 
-READ_TYPES = ", ".join([t.name.upper() for t in BY_GGML_ID.values()] + list(FLOAT_GGML_IDS.values()))
+READ_TYPES = ", ".join([t.name.upper() for t in BY_GGML_ID.values()] + ["F32"])
 
 
 class GGUFCheckpoint:
@@ -43,9 +43,9 @@ class GGUFCheckpoint:
         return None if tensor is None else tuple(int(d) for d in reversed(tensor.shape))
 
     def stored_type(self, name: str) -> QuantType | None:
-        """The block type the tensor is stored in, None for a float tensor."""
+        """The block type the tensor is stored in (F16 and BF16 too: held as stored), None for F32."""
         kind = self._tensors[name].tensor_type
-        if kind in FLOAT_GGML_IDS:
+        if kind == F32:
             return None
         if kind not in BY_GGML_ID:
             import gguf  # its name, for the message
