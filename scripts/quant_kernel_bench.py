@@ -32,12 +32,15 @@ VARIANT_NAMES = {1: "portable", 2: "AVX2", 3: "AVX-VNNI", 4: "AVX512-VNNI"}
 SIZES = {"q_proj 576x576": (576, 576), "k_proj 192x576": (192, 576), "gate_proj 1536x576": (1536, 576),
          "down_proj 576x1536": (576, 1536), "lm_head 49152x576": (49152, 576)}
 SCALE_AT = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,), "q4_k": (0, 2),
-            "q5_k": (0, 2), "q6_k": (208,)}  # where each type's fp16 scales sit in a block
+            "q5_k": (0, 2), "q6_k": (208,), "f16": (), "bf16": ()}  # where each type's fp16 scales sit
 
 
 def random_blocks(name: str, rows: int, cols: int) -> Blocks:
     """Random quants and sub-scales with small finite fp16 scales (the speed does not depend on values)."""
     qt = QUANT_TYPES[name]
+    if qt.floats:
+        values = (torch.randn(rows, cols) * 0.05).to(torch.float16 if name == "f16" else torch.bfloat16)
+        return Blocks(qt, values.view(torch.uint8).contiguous(), cols)
     data = torch.randint(0, 256, (rows, cols // qt.block_elems, qt.block_bytes), dtype=torch.uint8)
     for at in SCALE_AT[name]:
         scale = (torch.rand(rows, data.shape[1]) * 0.01 + 1e-4).half()
@@ -88,24 +91,27 @@ def main() -> None:
                     by_type.setdefault(tensor.qtype.name, []).append(tensor)
             cases += [(label, tensors * max(1, 2 // len(tensors))) for tensors in by_type.values()]
     for label, tensors in cases:
-        packed = [op.int8_pack(t.data, t.qtype.ggml_id) for t in tensors]
+        floats = tensors[0].qtype.floats  # F16 / BF16: fp32 activations only
+        packed = [None if floats else op.int8_pack(t.data, t.qtype.ggml_id) for t in tensors]
         n, k = tensors[0].shape
         qtype = tensors[0].qtype.ggml_id
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k)
-            times: dict[str, list[float]] = {form: [] for form in forms}
+            times: dict[str, list[float]] = {form: [] for form in (forms[-1:] if floats else forms)}
             for i in range(args.rounds):
                 blocks, pack = tensors[i % len(tensors)], packed[i % len(packed)]
                 for form, variant in zip(forms, variants + [None]):
+                    if form not in times:
+                        continue
                     if variant is None:
                         times[form].append(timed(lambda: op.quant_matmul(x, blocks.data, qtype)))
                     else:
                         times[form].append(timed(lambda: op.int8_matmul(x, pack, qtype, n, None, variant)))
             med = {form: statistics.median(values[3:]) for form, values in times.items()}
-            cells = [f"{med[f] * 1e6:.0f} ({rows * n * k / med[f] / 1e9:.0f})" for f in forms]
-            best = min(med[f] for f in forms[:-1])
-            print(f"| {label} | {tensors[0].qtype.name} | {rows} | " + " | ".join(cells)
-                  + f" | {med['fp32'] / best:.2f}x |")
+            cells = [f"{med[f] * 1e6:.0f} ({rows * n * k / med[f] / 1e9:.0f})" if f in med else "-"
+                     for f in forms]
+            ratio = "-" if floats else f"{med['fp32'] / min(med[f] for f in forms[:-1]):.2f}x"
+            print(f"| {label} | {tensors[0].qtype.name} | {rows} | " + " | ".join(cells) + f" | {ratio} |")
 
 
 if __name__ == "__main__":
