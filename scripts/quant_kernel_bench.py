@@ -7,8 +7,9 @@ has) against fp32 activations, per shape and row count: microseconds per call an
 Each call takes the next layer's tensor (30 layers round robin), so the weights come from memory or the last
 level of cache as in a step, not from L1; the forms alternate call by call; medians. Prints a markdown table.
 With --gguf, another file of the model (a requantized one from make_gguf_variants.py): its tensors of each
-shape grouped by their type. With --types, the tensors are random blocks of each type at SmolLM2's shapes (those the type's block size
-divides: 256-weight K-quant blocks fit only down_proj's 1536 inputs), 8 copies round robin.
+shape grouped by their type. With --types, the tensors are random blocks of each type at SmolLM2's shapes
+(those the type's block size divides: 256-weight K-quant blocks fit only down_proj's 1536 inputs), 8 copies
+round robin; F16 / BF16 take fp32 activations only.
 """
 
 import argparse

@@ -1,5 +1,5 @@
-"""Block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) held as GGUF stores them: the kernel against gguf's own
-dequantization and an fp64 matmul, its batch invariance (bitwise), and layers that hold blocks."""
+"""Block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) held as GGUF stores them: the kernel against gguf's
+own dequantization and an fp64 matmul, its batch invariance (bitwise), and layers that hold blocks."""
 
 import numpy as np
 import pytest
