@@ -51,7 +51,6 @@ QUANT_TYPES = {t.name: t for t in (
     QuantType("q6_k", 14, 210, 256, False), QuantType("f16", 1, 64, 32, False),
     QuantType("bf16", 30, 64, 32, False))}
 BY_GGML_ID = {t.ggml_id: t for t in QUANT_TYPES.values()}
-F32_GGML_ID = 0  # read as a dense fp32 tensor
 
 
 def quant_type(name: str) -> QuantType:

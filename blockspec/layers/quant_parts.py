@@ -45,11 +45,13 @@ class QuantParts:
 
     @property
     def activations(self) -> str:
-        return self.parts[0].activations
+        """The parts' form ("mixed" where F16 / BF16 parts, which take fp32 activations, meet int8 ones)."""
+        forms = {part.activations for part in self.parts}
+        return forms.pop() if len(forms) == 1 else "mixed"
 
     @property
     def packed(self) -> bool:
-        return self.parts[0].packed
+        return all(part.packed for part in self.parts)
 
     def use_int8(self) -> None:
         for part in self.parts:

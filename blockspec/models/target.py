@@ -97,14 +97,14 @@ def block_stack(layers) -> BlockStack | None:
     if not all(linear.quant is not None and linear.bias is None and linear.parallel is None
                for linear in linears) or any(layer.input_layernorm.folded for layer in layers):
         return None
-    forms = {linear.quant.activations for linear in linears}
+    parts = [getattr(linear.quant, "parts", [linear.quant]) for linear in linears]
+    forms = {w.activations for ws in parts for w in ws}
     qk = [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in layers]
     if len(forms) != 1 or len({q is None for q, _ in qk}) != 1:
         return None
     norms = [norm.weight for layer in layers
              for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
     qk_norms = [norm.weight for pair in qk for norm in pair if norm is not None]
-    parts = [getattr(linear.quant, "parts", [linear.quant]) for linear in linears]
     counts = [len(ws) for ws in parts] if any(len(ws) > 1 for ws in parts) else []
     return ([w.data for ws in parts for w in ws], [w.qtype.ggml_id for ws in parts for w in ws], norms,
             qk_norms, forms == {"int8"}, counts)
