@@ -34,6 +34,10 @@ RECIPES = {
                                      "ffn_gate", "ffn_up", "ffn_down")},
     "bf16": {role: "bf16" for role in ("token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output",
                                       "ffn_gate", "ffn_up", "ffn_down")},
+    # an F16 v beside Q8_0 q and k on some layers: parts in two activation forms under int8 activations
+    "f16_v": {"token_embd": "q8_0", "output": "f16", "attn_q": "q8_0", "attn_k": "q8_0",
+              "attn_v": ("q8_0", "f16"), "attn_output": "q8_0", "ffn_gate": "q8_0", "ffn_up": "q8_0",
+              "ffn_down": "q8_0"},
     # SmolLM2-like fallbacks (rows not a multiple of 256 in the real file): Q5_0 / Q5_1 / Q8_0 mixed
     "legacy": {"token_embd": "q8_0", "output": "q8_0", "attn_q": "q5_0", "attn_k": "q5_1",
                "attn_v": ("q5_0", "q8_0"), "attn_output": "q4_0", "ffn_gate": "q5_0", "ffn_up": "q4_1",
@@ -133,7 +137,9 @@ def test_greedy_dflash_equals_plain_on_mixed_files(mixed, activations):
         target.use_int8_activations()
     floats = QUANT_TYPES[type_of(recipe, "ffn_down", 1)].floats  # F16 / BF16 weights take fp32 activations
     assert target.layers[1].mlp.down_proj.quant.activations == ("fp32" if floats else activations)
-    assert target.block_stack() is not None  # the one-op layer stack runs the mixed layers too
+    # the one-op layer stack runs the mixed layers too, unless F16 parts (fp32 activations) meet int8 ones
+    mixed_forms = activations == "int8" and recipe is RECIPES["f16_v"]
+    assert (target.block_stack() is None) == mixed_forms
     prompts = [[1, 2, 3], [5, 9, 11, 40, 7, 3, 3, 8]]
     params = SamplingParams(max_tokens=24)
     plain = engine.run([Sequence(p, params, frozenset()) for p in prompts], False)
