@@ -86,7 +86,7 @@ def main() -> None:
         cases = []
         for pattern, label in list(SHAPES.items()) + [("model.embed_tokens.weight", "lm_head 49152x576")]:
             by_type: dict[str, list[Blocks]] = {}
-            for i in range(30):
+            for i in range(30 if "{}" in pattern else 1):  # the head: one tensor (twice, below)
                 tensor = checkpoint.get(pattern.format(i))
                 if isinstance(tensor, Blocks):  # float tensors have no block kernel
                     by_type.setdefault(tensor.qtype.name, []).append(tensor)
