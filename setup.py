@@ -11,9 +11,9 @@ setup(
     ext_modules=[CppExtension(
         "blockspec._kernels",
         [f"blockspec/kernels/{name}.cpp" for name in (
-            "quant_matmul", "dense_matmul", "dense_leaf", "dense_tiles", "int8_pack", "int8_ymm", "int8_zmm",
-            "int8_matmul", "fused_ops", "attention_tiles", "attention", "attention_op", "layer_stack",
-            "draft_context")],
+            "gguf_blocks", "quant_matmul", "dense_matmul", "dense_leaf", "dense_tiles", "int8_pack",
+            "int8_portable", "int8_ymm", "int8_zmm", "int8_matmul", "fused_ops", "attention_tiles", "attention",
+            "attention_op", "layer_stack", "draft_context")],
         # OpenMP: at::parallel_for runs on torch's own thread pool (the libgomp torch ships), so torch's
         # thread count (--threads) governs the kernels too.
         extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"],

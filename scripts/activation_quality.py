@@ -5,6 +5,7 @@ reference manual's text). Per set: mean KL(fp32 || int8) of the next-token distr
 and each form's perplexity of the text.
 
 Usage: PYTHONPATH=. python scripts/activation_quality.py [--tokens 20000] [--window 512] [--threads 2]
+    [--gguf FILE]  (another GGUF of the same model, e.g. a requantized one from make_gguf_variants.py)
 """
 
 import argparse
@@ -38,13 +39,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=20000, help="tokens scored per set")
     parser.add_argument("--window", type=int, default=512, help="tokens per forward (each window's context)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--gguf", type=Path, default=None, help="the model's blocks from this file instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     folder = ensure_default_model(weights=False)
     tokenizer = Tokenizer.from_folder(folder)
     targets = {}
     for form in ("fp32", "int8"):
-        target = load_target(folder, torch.float32, torch.device("cpu"), "stored", gguf_path())
+        target = load_target(folder, torch.float32, torch.device("cpu"), "stored", args.gguf or gguf_path())
         target.fold_norm_weights()
         if form == "int8":
             target.use_int8_activations()

@@ -1,6 +1,6 @@
 """The int8-activation block kernel (blockspec/kernels/int8_matmul.cpp): its arithmetic against an exact
-reference of the formula, and its invariances, bit for bit: every instruction-set variant this CPU has, a row
-alone or inside 2- to 64-row inputs, any thread count."""
+reference of the formula (Q4_0, Q4_1, Q8_0), and its invariances, bit for bit, on every type it reads: every
+instruction-set variant this CPU has, a row alone or inside 2- to 64-row inputs, any thread count."""
 
 from fractions import Fraction
 
@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from blockspec.layers.quant import QUANT_TYPES, kernels, quantize
+from tests.test_gguf_blocks import random_blocks
 
 OPS = kernels()
 VARIANTS = list(OPS.int8_variants())  # 1 portable, 2 AVX2, 3 AVX-VNNI, 4 AVX512-VNNI: those this CPU has
 TYPES = ["q4_0", "q4_1", "q8_0"]
+ALL_TYPES = sorted(name for name, t in QUANT_TYPES.items() if not t.floats)  # F16 / BF16: no int8 form
 
 
 def gen(seed: int) -> torch.Generator:
@@ -20,8 +22,12 @@ def gen(seed: int) -> torch.Generator:
 
 
 def weight(qtype: str, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(GGUF blocks, the same packed) of a random weight."""
-    blocks = quantize(torch.randn(rows, cols, generator=gen(seed)), QUANT_TYPES[qtype])
+    """(GGUF blocks, the same packed) of a random weight: quantized where gguf quantizes the type, else
+    random blocks (any quants and sub-scales, finite scales)."""
+    if QUANT_TYPES[qtype].requantizable:
+        blocks = quantize(torch.randn(rows, cols, generator=gen(seed)), QUANT_TYPES[qtype])
+    else:
+        blocks = random_blocks(qtype, rows, cols, seed)
     return blocks, OPS.int8_pack(blocks, QUANT_TYPES[qtype].ggml_id)
 
 
@@ -81,14 +87,14 @@ def test_every_variant_computes_the_formula_exactly(qtype):
         assert np.array_equal(got.numpy(), want), variant
 
 
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", ALL_TYPES)
 def test_a_row_is_the_same_bits_alone_in_any_batch_thread_count_and_variant(qtype):
     """Rows of 1, 2, 5, 9, 17 and 64-row inputs against each row alone, on SmolLM2's shapes (576 -> 1536 and
     1536 -> 576), at 1 and 2 threads, with every variant."""
     threads = torch.get_num_threads()
     ggml_id = QUANT_TYPES[qtype].ggml_id
     try:
-        for n, k in ((1536, 576), (576, 1536)):
+        for n, k in ((1536, 576), (576, 1536)) if QUANT_TYPES[qtype].block_elems == 32 else ((576, 1536),):
             _, packed = weight(qtype, n, k, seed=n)
             x = torch.randn(64, k, generator=gen(2)) * 4
             alone = torch.cat([OPS.int8_matmul(x[i : i + 1], packed, ggml_id, n, None, 1) for i in range(64)])
@@ -103,26 +109,29 @@ def test_a_row_is_the_same_bits_alone_in_any_batch_thread_count_and_variant(qtyp
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", ALL_TYPES)
 def test_packing_round_trips_and_lookups_dequantize(qtype):
     ggml_id = QUANT_TYPES[qtype].ggml_id
-    blocks, packed = weight(qtype, 21, 64)  # 21 rows: the last group of 8 holds 5
+    blocks, packed = weight(qtype, 21, max(64, QUANT_TYPES[qtype].block_elems))  # the last group holds 5
     assert packed.shape[0] == 3
     assert torch.equal(OPS.int8_unpack(packed, ggml_id, 21), blocks)
     ids = torch.tensor([20, 0, 7, 8, 7])
     assert torch.equal(OPS.int8_rows(packed, ids, ggml_id), OPS.quant_rows(blocks, ids, ggml_id))
 
 
-@pytest.mark.parametrize("qtype", TYPES)
-def test_residual_and_a_ragged_last_group(qtype):
-    ggml_id = QUANT_TYPES[qtype].ggml_id
-    blocks, packed = weight(qtype, 13, 64)
-    x, res = torch.randn(6, 64, generator=gen(3)), torch.randn(6, 13, generator=gen(4))
+@pytest.mark.parametrize("qtype", ALL_TYPES)
+def test_residual_a_ragged_last_group_and_every_variant_the_same_bits(qtype):
+    ggml_id, cols = QUANT_TYPES[qtype].ggml_id, max(64, QUANT_TYPES[qtype].block_elems)
+    blocks, packed = weight(qtype, 45, cols)  # 45: 16-output pairs, a lone group, a ragged one
+    x, res = torch.randn(6, cols, generator=gen(3)), torch.randn(6, 45, generator=gen(4))
+    x[2, :32] = 0.0  # an all-zero activation block
+    portable = OPS.int8_matmul(x, packed, ggml_id, 45, None, 1)
+    dense = x @ OPS.quant_rows(blocks, torch.arange(45), ggml_id).t()
+    torch.testing.assert_close(portable, dense, rtol=0.05, atol=0.03 * dense.abs().max().item())
     for variant in VARIANTS:
-        plain = OPS.int8_matmul(x, packed, ggml_id, 13, None, variant)
-        assert torch.equal(OPS.int8_matmul(x, packed, ggml_id, 13, res, variant), plain + res)
-        dense = x @ OPS.quant_rows(blocks, torch.arange(13), ggml_id).t()
-        torch.testing.assert_close(plain, dense, rtol=0.05, atol=0.05 * dense.abs().max().item())
+        plain = OPS.int8_matmul(x, packed, ggml_id, 45, None, variant)
+        assert torch.equal(plain, portable), variant
+        assert torch.equal(OPS.int8_matmul(x, packed, ggml_id, 45, res, variant), plain + res)
 
 
 def test_extreme_q8_weights_and_activations():
@@ -136,6 +145,20 @@ def test_extreme_q8_weights_and_activations():
     for variant in VARIANTS:
         got = OPS.int8_matmul(x, packed, 8, 8, None, variant)
         assert torch.equal(got, torch.tensor([[4096.0] * 8, [-4096.0] * 8])), variant
+
+
+def test_extreme_q6_k_scales_weights_and_activations():
+    """Q6_K at its extremes: int8 sub-scales of -128, quants of -32, activations of +-127 (the largest
+    integer dot, 2 x 16 x 128 x 32 x 127, fits int32 and float32 exactly)."""
+    blocks = torch.zeros(8, 210, dtype=torch.uint8)  # quants 0: each weight's q - 32 is -32
+    blocks[:, 192:208] = torch.tensor(-128, dtype=torch.int8).view(torch.uint8)
+    blocks[:, 208:] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    packed = OPS.int8_pack(blocks, 14)
+    x = torch.full((2, 256), -1.0)
+    x[1] = 1.0
+    for variant in VARIANTS:
+        got = OPS.int8_matmul(x, packed, 14, 8, None, variant)
+        assert torch.equal(got, torch.tensor([[-1048576.0] * 8, [1048576.0] * 8])), variant
 
 
 def test_bad_shapes_are_refused():

@@ -1,24 +1,29 @@
-// y = x W^T for GGUF block weights (Q4_0, Q4_1, Q8_0) with int8 activations: each activation row is quantized
-// once per matmul into blocks of 32 int8 values with an fp32 scale (and the block's sum), and every block dot
-// product runs in integers (AVX2 maddubs/madd, or VNNI dpbusd), exact; only the per-block scaling and the sum
-// over blocks are fp32. Weights are repacked once at load: 8 output rows interleaved in 4-byte groups, so one
-// 256-bit register holds 4 weights of each of 8 outputs, an activation group of 4 bytes is broadcast against
-// it, and each 32-bit lane accumulates one output: 8 outputs per register, no horizontal sums.
+// y = x W^T for GGUF block weights (every block type of gguf_blocks.h) with int8 activations: each activation
+// row is quantized once per matmul into blocks of 32 int8 values with an fp32 scale (and the block's sum),
+// and every 32-weight block dot product runs in integers (AVX2 maddubs/madd, or VNNI dpbusd), exact; only the
+// per-block scaling and the sum over blocks are fp32. Weights are repacked once at load: 8 output rows
+// interleaved in 4-byte groups, so one 256-bit register holds 4 weights of each of 8 outputs, an activation
+// group of 4 bytes is broadcast against it, and each 32-bit lane accumulates one output: 8 outputs per
+// register, no horizontal sums. The K-quants' super-blocks become 8 records of 32 (their sub-block scales
+// kept as stored).
 //
 // Exactness and batch invariance: a row's quantization depends on that row alone; a block's integer dot is
-// exact whatever the instruction set; then for each output, block by block in order,
-//   acc = fma(float(dot_b), d_w,b * d_x,b, acc)   (Q4_1 also: acc = fma(m_w,b, d_x,b * sum_x,b, acc))
+// exact whatever the instruction set (Q6_K: each half's dot times its int8 scale, summed); then for each
+// output, block by block in order,
+//   acc = fma(float(dot_b), d_w,b * d_x,b, acc)      d_w: fp16 d (Q4_K, Q5_K: d * sc, exact in fp32)
+//   acc = fma(m_w,b, d_x,b * sum_x,b, acc)            types with a min: m (Q4_1, Q5_1), -(dmin * mn) (K)
 // starting from 0. Every variant (portable, AVX2, AVX-VNNI / AVX512-VNNI) computes exactly that sequence, so
 // results are bit-identical across variants, row counts, row positions and thread counts.
 //
-// Packed layout (per group of 8 output rows, block after block; rows padded to a multiple of 8 with zeros):
-//   Q4_0: 8 fp16 d, then 4 chunks of 32 bytes;           Q4_1: 8 fp16 d, 8 fp16 m, then 4 chunks;
-//   Q8_0: 8 fp16 d, then 8 chunks of 32 bytes (each weight + 128, as unsigned).
-// Chunk c holds bytes 4c..4c+3 of each of the 8 rows' stored quants, row after row. For Q4 a stored byte
-// j holds weight j (low nibble) and weight j + 16 (high nibble), so chunk c's low nibbles are weights
-// 4c..4c+3 and its high nibbles weights 16+4c..16+4c+3; for Q8, chunk c is weights 4c..4c+3.
+// Packed layout (per group of 8 output rows, block of 32 after block; rows padded to a multiple of 8 with
+// zeros; int8_layout.h has each type's record): the scales of the 8 rows side by side, then chunks: chunk c
+// holds 4 bytes of each of the 8 rows, row after row. Nibble types (Q4_0, Q4_1, Q4_K): 4 chunks, a byte's
+// low nibble weight 4c + j, its high one weight 16 + 4c + j; the others 8 chunks of one byte a weight
+// (5- and 6-bit quants widened to a byte; signed ones + 128, as unsigned). Every stored bit is kept
+// (int8_unpack gives the file's blocks back).
 //
-// Files: int8_pack.cpp (the layouts), int8_ymm.cpp (portable, AVX2, AVX-VNNI), int8_zmm.cpp (AVX512-VNNI);
+// Files: int8_layout.h and int8_pack.cpp (the layouts), int8_portable.cpp (the portable kernel), int8_ymm.cpp
+// and int8_ymm_blocks.h (AVX2, AVX-VNNI), int8_zmm.cpp (AVX512-VNNI);
 // here the CPU's variant and the op.
 
 #include <ATen/Parallel.h>

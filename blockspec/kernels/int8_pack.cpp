@@ -91,68 +91,99 @@ void quantize_activation_rows(const float* x, int64_t ldx, int64_t r0, int64_t r
   }
 }
 
-// GGUF blocks [n, k / 32 * block_bytes] -> the packed layout [ceil(n / 8), k / 32 * record_bytes].
+}  // namespace blockspec_kernels
+
+namespace blockspec_kernels::int8_detail {
+
+// Signed byte quants are held + 128 (as unsigned); a stored Q5_0 / Q6_K quant q is held as q - 16 / q - 32.
+constexpr int bias(int64_t qtype) { return qtype == kQ5_0 ? 128 - 16 : qtype == kQ6_K ? 128 - 32 : 128; }
+
+void sub_to_record(int64_t qtype, const Sub& sub, int o, uint8_t* rec) {
+  std::memcpy(rec + 2 * o, &sub.d, 2);
+  if (has_min(qtype)) std::memcpy(rec + 16 + 2 * o, &sub.m, 2);
+  if (k_scales(qtype)) rec[32 + o] = sub.sc, rec[40 + o] = sub.mn;
+  if (qtype == kQ6_K) rec[16 + o] = static_cast<uint8_t>(sub.sa), rec[24 + o] = static_cast<uint8_t>(sub.sb);
+  uint8_t* chunks = rec + scale_bytes(qtype);
+  for (int c = 0; c < chunk_count(qtype); ++c)
+    for (int j = 0; j < 4; ++j) {
+      uint8_t& out = chunks[32 * c + 4 * o + j];
+      if (nibbles(qtype))
+        out = (sub.q[4 * c + j] & 0xF) | (sub.q[16 + 4 * c + j] << 4);
+      else
+        out = signed_bytes(qtype) ? static_cast<uint8_t>(sub.q[4 * c + j] + bias(qtype)) : sub.q[4 * c + j];
+    }
+}
+
+void record_to_sub(int64_t qtype, const uint8_t* rec, int o, Sub& sub) {
+  sub = Sub{};
+  std::memcpy(&sub.d, rec + 2 * o, 2);
+  if (has_min(qtype)) std::memcpy(&sub.m, rec + 16 + 2 * o, 2);
+  if (k_scales(qtype)) sub.sc = rec[32 + o], sub.mn = rec[40 + o];
+  if (qtype == kQ6_K) sub.sa = static_cast<int8_t>(rec[16 + o]), sub.sb = static_cast<int8_t>(rec[24 + o]);
+  const uint8_t* chunks = rec + scale_bytes(qtype);
+  for (int c = 0; c < chunk_count(qtype); ++c)
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t v = chunks[32 * c + 4 * o + j];
+      if (nibbles(qtype))
+        sub.q[4 * c + j] = v & 0xF, sub.q[16 + 4 * c + j] = v >> 4;
+      else
+        sub.q[4 * c + j] = signed_bytes(qtype) ? static_cast<uint8_t>(v - bias(qtype)) : v;
+    }
+}
+
+}  // namespace blockspec_kernels::int8_detail
+
+namespace blockspec_kernels {
+using namespace int8_detail;
+
+// GGUF blocks [n, k / elems * block_bytes] -> the packed layout [ceil(n / 8), k / 32 * record_bytes].
 at::Tensor int8_pack(const at::Tensor& blocks, int64_t qtype) {
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "blockspec int8_pack: blocks must be a contiguous 2-D uint8 tensor");
-  const int64_t bytes = block_bytes(qtype), n = blocks.size(0), nb = blocks.size(1) / bytes;
-  TORCH_CHECK(blocks.size(1) == nb * bytes, "blockspec int8_pack: rows of ", blocks.size(1),
+  TORCH_CHECK(!is_float(qtype), "blockspec int8_pack: F16 / BF16 weights have no int8 form; they take fp32 "
+              "activations (quant_matmul)");
+  const int64_t bytes = block_bytes(qtype), subs = block_elems(qtype) / 32, n = blocks.size(0);
+  const int64_t stored = blocks.size(1) / bytes, nb = stored * subs;
+  TORCH_CHECK(blocks.size(1) == stored * bytes, "blockspec int8_pack: rows of ", blocks.size(1),
               " bytes are not whole blocks of ", bytes);
   const int64_t groups = (n + kRows - 1) / kRows, rec = record_bytes(qtype);
   at::Tensor packed = at::zeros({groups, nb * rec}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
-  const int64_t quant_at = qtype == kQ4_1 ? 4 : 2;  // quants' offset within a stored block
   at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* out = dst + g * nb * rec + b * rec;
-        for (int o = 0; o < kRows && g * kRows + o < n; ++o) {
-          const uint8_t* in = src + (g * kRows + o) * nb * bytes + b * bytes;
-          std::memcpy(out + 2 * o, in, 2);                            // d
-          if (qtype == kQ4_1) std::memcpy(out + 16 + 2 * o, in + 2, 2);  // m
-          for (int c = 0; c < chunk_count(qtype); ++c) {
-            for (int j = 0; j < 4; ++j) {
-              const uint8_t q = in[quant_at + 4 * c + j];
-              out[scale_bytes(qtype) + 32 * c + 4 * o + j] = qtype == kQ8_0 ? q ^ 0x80 : q;
-            }
-          }
+    Sub sub;
+    for (int64_t g = g0; g < g1; ++g)
+      for (int o = 0; o < kRows && g * kRows + o < n; ++o)
+        for (int64_t b = 0; b < nb; ++b) {
+          read_sub(qtype, src + (g * kRows + o) * blocks.size(1) + b / subs * bytes, b % subs, sub);
+          sub_to_record(qtype, sub, o, dst + g * nb * rec + b * rec);
         }
-      }
-    }
   });
   return packed;
 }
 
-// The inverse of int8_pack for the first n rows: GGUF blocks [n, k / 32 * block_bytes].
+// The inverse of int8_pack for the first n rows: GGUF blocks [n, k / elems * block_bytes].
 at::Tensor int8_unpack(const at::Tensor& packed, int64_t qtype, int64_t n) {
   const int64_t rec = record_bytes(qtype), bytes = block_bytes(qtype), nb = packed.size(1) / rec;
+  const int64_t subs = block_elems(qtype) / 32;
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  n <= packed.size(0) * kRows,
+                  n <= packed.size(0) * kRows && nb % subs == 0,
               "blockspec int8_unpack: packed must be a contiguous uint8 [groups, blocks * record] of >= n "
               "rows");
-  at::Tensor blocks = at::empty({n, nb * bytes}, packed.options());
+  const int64_t row_bytes = nb / subs * bytes;
+  at::Tensor blocks = at::zeros({n, row_bytes}, packed.options());
   const uint8_t* src = packed.data_ptr<uint8_t>();
   uint8_t* dst = blocks.data_ptr<uint8_t>();
-  const int64_t quant_at = qtype == kQ4_1 ? 4 : 2;
-  for (int64_t row = 0; row < n; ++row) {
-    const int64_t g = row / kRows, o = row % kRows;
+  Sub sub;
+  for (int64_t row = 0; row < n; ++row)
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* in = src + g * nb * rec + b * rec;
-      uint8_t* out = dst + row * nb * bytes + b * bytes;
-      std::memcpy(out, in + 2 * o, 2);
-      if (qtype == kQ4_1) std::memcpy(out + 2, in + 16 + 2 * o, 2);
-      for (int c = 0; c < chunk_count(qtype); ++c)
-        for (int j = 0; j < 4; ++j) {
-          const uint8_t q = in[scale_bytes(qtype) + 32 * c + 4 * o + j];
-          out[quant_at + 4 * c + j] = qtype == kQ8_0 ? q ^ 0x80 : q;
-        }
+      record_to_sub(qtype, src + row / kRows * nb * rec + b * rec, static_cast<int>(row % kRows), sub);
+      write_sub(qtype, sub, b % subs, dst + row * row_bytes + b / subs * bytes);
     }
-  }
   return blocks;
 }
 
-// Rows `ids` of the packed weight, dequantized: [len(ids), k] fp32 (an embedding lookup).
+// Rows `ids` of the packed weight, dequantized as the stored blocks dequantize: [len(ids), k] fp32.
 at::Tensor int8_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t qtype) {
   const int64_t rec = record_bytes(qtype), nb = packed.size(1) / rec;
   const at::Tensor idx = ids.to(at::kLong).contiguous();
@@ -160,29 +191,13 @@ at::Tensor int8_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t qt
   const int64_t* ip = idx.data_ptr<int64_t>();
   const uint8_t* src = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
+  Sub sub;
   for (int64_t i = 0; i < idx.numel(); ++i) {
     TORCH_CHECK(ip[i] >= 0 && ip[i] < packed.size(0) * kRows, "blockspec int8_rows: row ", ip[i],
                 " is outside the weight");
-    const int64_t g = ip[i] / kRows, o = ip[i] % kRows;
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* in = src + g * nb * rec + b * rec;
-      const float d = half_to_float(load_u16(in + 2 * o));
-      float* w = op + i * nb * 32 + b * 32;
-      const uint8_t* chunks = in + scale_bytes(qtype);
-      if (qtype == kQ8_0) {
-        for (int c = 0; c < 8; ++c)
-          for (int j = 0; j < 4; ++j)
-            w[4 * c + j] = static_cast<float>(static_cast<int32_t>(chunks[32 * c + 4 * o + j]) - 128) * d;
-        continue;
-      }
-      // As the fp32-activation kernel dequantizes: q * d + m (Q4_0: m = -8 d), one rounding.
-      const float m = qtype == kQ4_1 ? half_to_float(load_u16(in + 16 + 2 * o)) : -8.0f * d;
-      for (int c = 0; c < 4; ++c)
-        for (int j = 0; j < 4; ++j) {
-          const uint8_t q = chunks[32 * c + 4 * o + j];
-          w[4 * c + j] = std::fma(static_cast<float>(q & 0xF), d, m);
-          w[16 + 4 * c + j] = std::fma(static_cast<float>(q >> 4), d, m);
-        }
+      record_to_sub(qtype, src + ip[i] / kRows * nb * rec + b * rec, static_cast<int>(ip[i] % kRows), sub);
+      dequant_sub(qtype, sub, op + i * nb * 32 + b * 32);
     }
   }
   return out;

@@ -1,181 +1,12 @@
-// The 256-bit int8 kernels (AVX2 maddubs/madd; AVX-VNNI dpbusd) and the portable code they match bit for bit.
+// The 256-bit int8 kernels (AVX2 maddubs/madd; AVX-VNNI dpbusd): tiles of groups and rows over a packed
+// weight, each block's arithmetic in int8_ymm_blocks.h.
 
-#include "int8_layout.h"
+#include "int8_ymm_blocks.h"
 
 namespace blockspec_kernels::int8_detail {
 namespace {
 
-// ---- portable kernel ----------------------------------------------------------------------------------
-
-// The exact integer dot of block b of packed output `o` (0..7 within its group) with activation block xq.
-int32_t block_dot_portable(int64_t qtype, const uint8_t* rec, int o, const int8_t* xq) {
-  const uint8_t* chunks = rec + scale_bytes(qtype);
-  int32_t dot = 0;
-  for (int c = 0; c < chunk_count(qtype); ++c) {
-    const uint8_t* w = chunks + 32 * c + 4 * o;
-    for (int j = 0; j < 4; ++j) {
-      if (qtype == kQ8_0) {
-        dot += (static_cast<int32_t>(w[j]) - 128) * xq[4 * c + j];
-      } else {
-        const int32_t offset = qtype == kQ4_0 ? 8 : 0;
-        dot += ((w[j] & 0xF) - offset) * xq[4 * c + j];
-        dot += ((w[j] >> 4) - offset) * xq[16 + 4 * c + j];
-      }
-    }
-  }
-  return dot;
-}
-
-void group_portable(int64_t qtype, const uint8_t* panel, int64_t blocks, const Activations& a, int64_t r0,
-                    int64_t r1, float* y, int64_t ldy, int64_t outputs, const float* res, int64_t ldr) {
-  const int64_t rec = record_bytes(qtype);
-  for (int64_t r = r0; r < r1; ++r) {
-    for (int o = 0; o < outputs; ++o) {
-      float acc = 0.0f;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* p = panel + b * rec;
-        const int64_t i = r * blocks + b;
-        const int32_t dot = block_dot_portable(qtype, p, o, a.q.data() + r * blocks * 32 + b * 32);
-        const float scale = half_to_float(load_u16(p + 2 * o)) * a.d[i];
-        acc = std::fma(static_cast<float>(dot), scale, acc);
-        if (qtype == kQ4_1) acc = std::fma(half_to_float(load_u16(p + 16 + 2 * o)), a.ds[i], acc);
-      }
-      y[r * ldy + o] = res != nullptr ? acc + res[r * ldr + o] : acc;
-    }
-  }
-}
-
 #ifdef BLOCKSPEC_X86
-#define AVX2_F16C __attribute__((target("avx2,fma,f16c")))
-#define VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
-
-// The integer dot products of block b: dot[g * R + r] lane o = the exact dot of output o of group g with
-// row r. AVX2: maddubs pairs into int16 (Q4: up to 8 x 2 x 15 x 127 = 30480, no saturation, summed in int16
-// over the block), then madd to int32; Q8 weights are made signed and their sign moved onto the activations
-// (|w| <= 128: 2 x 128 x 127 < 32768). VNNI: dpbusd (u8 weights x s8 activations, int32 sums, no saturation),
-// the weights' offsets taken off with the activation block sums.
-template <int64_t QT, int G, int R>
-AVX2_F16C __attribute__((always_inline)) inline void block_dots_avx2(const uint8_t* chunks, int64_t stride,
-                                                                    const Tile<R>& t, int64_t b,
-                                                                    __m256i* dot) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (QT == kQ8_0) {
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-#pragma GCC unroll 16
-    for (int i = 0; i < G * R; ++i) dot[i] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) {
-#pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) {
-        const __m256i w = _mm256_xor_si256(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + g * stride + 32 * c)), flip);
-        const __m256i aw = _mm256_abs_epi8(w);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 4 * c)), w);
-          const __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, x), ones);
-          dot[g * R + r] = _mm256_add_epi32(dot[g * R + r], pairs);
-        }
-      }
-    }
-  } else {
-    const __m256i nibble = _mm256_set1_epi8(0xF);
-    __m256i pairs[G * R];
-#pragma GCC unroll 16
-    for (int i = 0; i < G * R; ++i) pairs[i] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-#pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + g * stride + 32 * c));
-        const __m256i lo = _mm256_and_si256(v, nibble);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const __m256i xlo = _mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 4 * c));
-          const __m256i xhi = _mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 16 + 4 * c));
-          __m256i& acc = pairs[g * R + r];
-          acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(lo, xlo));
-          acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(hi, xhi));
-        }
-      }
-    }
-#pragma GCC unroll 16
-    for (int i = 0; i < G * R; ++i) {
-      dot[i] = _mm256_madd_epi16(pairs[i], ones);
-      if constexpr (QT == kQ4_0) dot[i] = _mm256_sub_epi32(dot[i], _mm256_set1_epi32(8 * t.sums[i % R][b]));
-    }
-  }
-}
-
-template <int64_t QT, int G, int R>
-VNNI __attribute__((always_inline)) inline void block_dots_vnni(const uint8_t* chunks, int64_t stride,
-                                                               const Tile<R>& t, int64_t b, __m256i* dot) {
-#pragma GCC unroll 16
-  for (int i = 0; i < G * R; ++i) dot[i] = _mm256_setzero_si256();
-  if constexpr (QT == kQ8_0) {
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) {
-#pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + g * stride + 32 * c));
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-          dot[g * R + r] = _mm256_dpbusd_avx_epi32(dot[g * R + r], w,
-                                                   _mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 4 * c)));
-      }
-    }
-  } else {
-    const __m256i nibble = _mm256_set1_epi8(0xF);
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-#pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + g * stride + 32 * c));
-        const __m256i lo = _mm256_and_si256(v, nibble);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          __m256i& acc = dot[g * R + r];
-          acc = _mm256_dpbusd_avx_epi32(acc, lo, _mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 4 * c)));
-          acc = _mm256_dpbusd_avx_epi32(acc, hi, _mm256_set1_epi32(word_at(t.xq[r] + b * 32 + 16 + 4 * c)));
-        }
-      }
-    }
-  }
-  constexpr int32_t offset = QT == kQ8_0 ? 128 : QT == kQ4_0 ? 8 : 0;
-  if constexpr (offset != 0) {
-#pragma GCC unroll 16
-    for (int i = 0; i < G * R; ++i)
-      dot[i] = _mm256_sub_epi32(dot[i], _mm256_set1_epi32(offset * t.sums[i % R][b]));
-  }
-}
-
-
-// Per block, for each group and row: acc += float(dot) * (d_w * d_x) (and for Q4_1: acc += m_w * (d_x *
-// sum_x)), in that order.
-template <int64_t QT, int G, int R>
-AVX2_F16C __attribute__((always_inline)) inline void scale_block(const uint8_t* p, int64_t stride,
-                                                                const Tile<R>& t, const __m256i* dot,
-                                                                int64_t b, __m256* acc) {
-#pragma GCC unroll 4
-  for (int g = 0; g < G; ++g) {
-    const uint8_t* pg = p + g * stride;
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pg)));
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(t.d[r][b]));
-      acc[g * R + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[g * R + r]), scale, acc[g * R + r]);
-    }
-    if constexpr (QT == kQ4_1) {
-      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pg + 16)));
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-        acc[g * R + r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(t.ds[r][b]), acc[g * R + r]);
-    }
-  }
-}
-
 // The tile's outputs, each plus its residual if there is one (read before the store: y may be res).
 template <int G, int R>
 AVX2_F16C __attribute__((always_inline)) inline void store_tile(
@@ -209,7 +40,7 @@ AVX2_F16C __attribute__((always_inline)) inline void store_tile(
     for (int64_t b = 0; b < a.blocks; ++b) {                                                              \
       const uint8_t* p = panel + b * record_bytes(QT);                                                    \
       __m256i dot[G * R];                                                                                 \
-      DOTS<QT, G, R>(p + scale_bytes(QT), stride, t, b, dot);                                             \
+      DOTS<QT, G, R>(p, stride, t, b, dot);                                                               \
       scale_block<QT, G, R>(p, stride, t, dot, b, acc);                                                   \
     }                                                                                                     \
     store_tile<G, R>(acc, y + r0 * ldy, ldy, outputs, res ? res + r0 * ldr : nullptr, ldr);               \
@@ -266,20 +97,16 @@ void groups_of(int64_t qtype, const uint8_t* w, int64_t stride, int64_t n, int64
     case kQ4_0: return groups_simd<kQ4_0, V>(w, stride, n, g0, g1, a, r0, r1, out);
     case kQ4_1: return groups_simd<kQ4_1, V>(w, stride, n, g0, g1, a, r0, r1, out);
     case kQ8_0: return groups_simd<kQ8_0, V>(w, stride, n, g0, g1, a, r0, r1, out);
+    case kQ5_0: return groups_simd<kQ5_0, V>(w, stride, n, g0, g1, a, r0, r1, out);
+    case kQ5_1: return groups_simd<kQ5_1, V>(w, stride, n, g0, g1, a, r0, r1, out);
+    case kQ4_K: return groups_simd<kQ4_K, V>(w, stride, n, g0, g1, a, r0, r1, out);
+    case kQ5_K: return groups_simd<kQ5_K, V>(w, stride, n, g0, g1, a, r0, r1, out);
+    case kQ6_K: return groups_simd<kQ6_K, V>(w, stride, n, g0, g1, a, r0, r1, out);
   }
 }
 #endif
 
 }  // namespace
-
-void groups_portable(int64_t qtype, const uint8_t* w, int64_t stride, int64_t n, int64_t g0, int64_t g1,
-                     const Activations& a, int64_t r0, int64_t r1, const Out& out) {
-  for (int64_t g = g0; g < g1; ++g) {
-    const Out og = out.at(g);
-    group_portable(qtype, w + g * stride, a.blocks, a, r0, r1, og.y, og.ldy,
-                   std::min<int64_t>(kRows, n - g * kRows), og.res, og.ldr);
-  }
-}
 
 void groups_ymm(int64_t qtype, Variant v, const uint8_t* w, int64_t stride, int64_t n, int64_t g0, int64_t g1,
                 const Activations& a, int64_t r0, int64_t r1, const Out& out) {

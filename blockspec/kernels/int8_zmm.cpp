@@ -25,6 +25,17 @@ AVX512 inline __m512 pair_scales(const uint8_t* p, int64_t stride) {
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + stride)), 1));
 }
 
+// 8 bytes of group g and 8 of group g + 1 (`stride` bytes on) as 16 int32 lanes, unsigned or signed.
+AVX512 inline __m128i pair_bytes(const uint8_t* p, int64_t stride) {
+  return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)),
+                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + stride)));
+}
+
+// The K-quants' u8 sub-block scales (or mins) of groups g and g + 1 as 16 fp32 lanes.
+AVX512 inline __m512 pair_floats(const uint8_t* p, int64_t stride) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(pair_bytes(p, stride)));
+}
+
 // U units of 16 outputs (groups 2u, 2u + 1 from `panel`, panels `stride` bytes apart) for R rows from r0.
 template <int64_t QT, int U, int R>
 AVX512 void tile_avx512(const uint8_t* panel, int64_t stride, const Activations& a, int64_t r0, float* y,
@@ -35,10 +46,10 @@ AVX512 void tile_avx512(const uint8_t* panel, int64_t stride, const Activations&
   __m512 acc[U * R];
 #pragma GCC unroll 16
   for (int i = 0; i < U * R; ++i) acc[i] = _mm512_setzero_ps();
-  const __m512i nibble = _mm512_set1_epi8(0xF);
+  const __m512i nibble = _mm512_set1_epi8(0xF), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < a.blocks; ++b) {
-    // Two accumulators per dot (low and high nibbles; even and odd Q8 chunks), added at the end: twice the
-    // independent dpbusd chains, whose latency a few rows could not hide.
+    // Two accumulators per dot (low and high nibbles; even and odd byte chunks; Q6_K: its two halves),
+    // added at the end: twice the independent dpbusd chains, whose latency a few rows could not hide.
     __m512i dot[U * R], odd[U * R];
 #pragma GCC unroll 16
     for (int i = 0; i < U * R; ++i) dot[i] = odd[i] = _mm512_setzero_si512();
@@ -47,7 +58,18 @@ AVX512 void tile_avx512(const uint8_t* panel, int64_t stride, const Activations&
 #pragma GCC unroll 4
       for (int u = 0; u < U; ++u) {
         const __m512i v = pair_load(panel + 2 * u * stride + b * rec + scales + 32 * c, stride);
-        if constexpr (QT == kQ8_0) {
+        if constexpr (QT == kQ6_K) {  // signed: the sign moved onto the activations, as the 256-bit code
+          const __m512i w = _mm512_xor_si512(v, flip);
+          const __m512i aw = _mm512_abs_epi8(w);
+          const __mmask64 negative = _mm512_movepi8_mask(w);
+#pragma GCC unroll 12
+          for (int r = 0; r < R; ++r) {
+            __m512i& d = c >= 4 ? odd[u * R + r] : dot[u * R + r];
+            const __m512i x = _mm512_set1_epi32(word_at(t.xq[r] + b * 32 + 4 * c));
+            const __m512i sx = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+            d = _mm512_dpbusd_epi32(d, aw, sx);  // where w is 0, so is aw: x's sign does not matter
+          }
+        } else if constexpr (!nibbles(QT)) {
 #pragma GCC unroll 12
           for (int r = 0; r < R; ++r) {
             __m512i& d = c % 2 ? odd[u * R + r] : dot[u * R + r];
@@ -66,13 +88,27 @@ AVX512 void tile_avx512(const uint8_t* panel, int64_t stride, const Activations&
         }
       }
     }
+    if constexpr (QT == kQ6_K) {
+#pragma GCC unroll 2
+      for (int u = 0; u < U; ++u) {
+        const uint8_t* p = panel + 2 * u * stride + b * rec;
+        const __m512i sa = _mm512_cvtepi8_epi32(pair_bytes(p + 16, stride));
+        const __m512i sb = _mm512_cvtepi8_epi32(pair_bytes(p + 24, stride));
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r)
+          dot[u * R + r] = _mm512_add_epi32(_mm512_mullo_epi32(dot[u * R + r], sa),
+                                            _mm512_mullo_epi32(odd[u * R + r], sb));
+      }
+    } else {
 #pragma GCC unroll 16
-    for (int i = 0; i < U * R; ++i) dot[i] = _mm512_add_epi32(dot[i], odd[i]);
-    constexpr int32_t offset = QT == kQ8_0 ? 128 : QT == kQ4_0 ? 8 : 0;
+      for (int i = 0; i < U * R; ++i) dot[i] = _mm512_add_epi32(dot[i], odd[i]);
+    }
+    constexpr int32_t offset = QT == kQ6_K ? 0 : signed_bytes(QT) ? 128 : QT == kQ4_0 ? 8 : 0;
 #pragma GCC unroll 2
     for (int u = 0; u < U; ++u) {
       const uint8_t* p = panel + 2 * u * stride + b * rec;
-      const __m512 dw = pair_scales(p, stride);
+      __m512 dw = pair_scales(p, stride);
+      if constexpr (k_scales(QT)) dw = _mm512_mul_ps(dw, pair_floats(p + 32, stride));
 #pragma GCC unroll 12
       for (int r = 0; r < R; ++r) {
         __m512i d = dot[u * R + r];
@@ -80,8 +116,12 @@ AVX512 void tile_avx512(const uint8_t* panel, int64_t stride, const Activations&
         const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(t.d[r][b]));
         acc[u * R + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[u * R + r]);
       }
-      if constexpr (QT == kQ4_1) {
-        const __m512 mw = pair_scales(p + 16, stride);
+      if constexpr (has_min(QT)) {
+        __m512 mw = pair_scales(p + 16, stride);
+        if constexpr (k_scales(QT))
+          mw = _mm512_castsi512_ps(
+              _mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(mw, pair_floats(p + 40, stride))),
+                               _mm512_set1_epi32(static_cast<int32_t>(0x80000000u))));
 #pragma GCC unroll 12
         for (int r = 0; r < R; ++r)
           acc[u * R + r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(t.ds[r][b]), acc[u * R + r]);
@@ -145,6 +185,11 @@ void groups_zmm(int64_t qtype, const uint8_t* w, int64_t stride, int64_t n, int6
     case kQ4_0: return groups_avx512<kQ4_0>(w, stride, n, g0, g1, a, r0, r1, out);
     case kQ4_1: return groups_avx512<kQ4_1>(w, stride, n, g0, g1, a, r0, r1, out);
     case kQ8_0: return groups_avx512<kQ8_0>(w, stride, n, g0, g1, a, r0, r1, out);
+    case kQ5_0: return groups_avx512<kQ5_0>(w, stride, n, g0, g1, a, r0, r1, out);
+    case kQ5_1: return groups_avx512<kQ5_1>(w, stride, n, g0, g1, a, r0, r1, out);
+    case kQ4_K: return groups_avx512<kQ4_K>(w, stride, n, g0, g1, a, r0, r1, out);
+    case kQ5_K: return groups_avx512<kQ5_K>(w, stride, n, g0, g1, a, r0, r1, out);
+    case kQ6_K: return groups_avx512<kQ6_K>(w, stride, n, g0, g1, a, r0, r1, out);
   }
 #else
   groups_portable(qtype, w, stride, n, g0, g1, a, r0, r1, out);

@@ -10,11 +10,11 @@
 
 #include "attention.h"
 #include "int8.h"
+#include "layer_slots.h"
 #include "ops.h"
 
 namespace blockspec_kernels {
 namespace {
-
 
 // [s0, s1): thread t's share of `total` items among `threads`, in whole units of `align` (the last share
 // takes the rest).
@@ -28,7 +28,7 @@ inline void share(int64_t total, int64_t align, int t, int threads, int64_t& s0,
 // groups or attention items among itself and meets at a barrier between dependent ops (on a one-row step the
 // barriers cost far less than a thread-pool dispatch per op). Each value is computed by the same code as the
 // ops called one by one (rms_norm_row, int8_matmul_part, rope_head, attend_items, silu_mul_row): same bits.
-std::vector<at::Tensor> int8_stack(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef qtypes,
+std::vector<at::Tensor> int8_stack(const at::Tensor& x_in, const std::vector<Slot>& weights,
                                    at::TensorList norms, at::TensorList qk_norms, float eps, int64_t heads,
                                    int64_t kv_heads,
                                    int64_t intermediate, const at::Tensor& cos, const at::Tensor& sin,
@@ -63,10 +63,19 @@ std::vector<at::Tensor> int8_stack(const at::Tensor& x_in, at::TensorList weight
     const int64_t widths[4][2] = {{qkv_width, hidden}, {hidden, attn_width}, {2 * intermediate, hidden},
                                   {hidden, intermediate}};
     for (int j = 0; j < 4; ++j) {
-      const at::Tensor& w = weights[4 * i + j];
-      TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
-                      w.size(0) == (widths[j][0] + kPackedRows - 1) / kPackedRows &&
-                      w.size(1) % (widths[j][1] / 32) == 0,
+      const Slot& slot = weights[4 * i + j];
+      int64_t groups = 0;
+      for (size_t p = 0; p < slot.parts.size(); ++p) {
+        const at::Tensor& w = *slot.parts[p];
+        TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                        w.size(1) % (widths[j][1] / 32) == 0,
+                    "blockspec decoder_layers: layer ", i, " weight ", j, " is not a packed [", widths[j][0],
+                    ", ", widths[j][1], "] weight");
+        groups += w.size(0);
+      }
+      // parts meet on whole groups of 8 outputs (their widths: heads x head_dim, or the intermediate size)
+      TORCH_CHECK(groups == (widths[j][0] + kPackedRows - 1) / kPackedRows &&
+                      (slot.parts.size() == 1 || widths[j][0] == groups * kPackedRows),
                   "blockspec decoder_layers: layer ", i, " weight ", j, " is not a packed [", widths[j][0],
                   ", ", widths[j][1], "] weight");
     }
@@ -125,11 +134,26 @@ std::vector<at::Tensor> int8_stack(const at::Tensor& x_in, at::TensorList weight
       for (int64_t r = s0; r < s1; ++r) rms_norm_row(xp + r * hidden, w, eps, hp + r * hidden, hidden);
       quantize_activation_rows(hp + s0 * hidden, hidden, s0, s1, simd, act);
     };
-    // This thread's output groups of a weight with `width` outputs (whole pairs of groups).
+    // This thread's output groups of a weight with `width` outputs (whole pairs of groups), part by part.
     auto project = [&](int64_t i, int j, int64_t width, const Activations& act, float* y, const float* res) {
-      const at::Tensor& w = weights[4 * i + j];
-      share(w.size(0), 2, t, threads, s0, s1);
-      int8_matmul_part(qtypes[4 * i + j], v, w.data_ptr<uint8_t>(), width, s0, s1, act, y, width, res, width);
+      const Slot& slot = weights[4 * i + j];
+      if (slot.parts.size() == 1) {
+        const at::Tensor& w = *slot.parts[0];
+        share(w.size(0), 2, t, threads, s0, s1);
+        return int8_matmul_part(slot.qtypes[0], v, w.data_ptr<uint8_t>(), width, s0, s1, act, y, width, res,
+                                width);
+      }
+      share((width + kPackedRows - 1) / kPackedRows, 2, t, threads, s0, s1);
+      int64_t first = 0;  // the part's first group
+      for (size_t p = 0; p < slot.parts.size(); ++p) {
+        const at::Tensor& w = *slot.parts[p];
+        const int64_t g0 = std::max(s0, first), g1 = std::min(s1, first + w.size(0));
+        const int64_t at = first * kPackedRows;
+        if (g0 < g1)
+          int8_matmul_part(slot.qtypes[p], v, w.data_ptr<uint8_t>(), w.size(0) * kPackedRows, g0 - first,
+                           g1 - first, act, y + at, width, res ? res + at : nullptr, width);
+        first += w.size(0);
+      }
     };
     for (int64_t i = 0; i < layers; ++i) {
       norm_rows(norms[2 * i].data_ptr<float>(), act_hidden);
@@ -186,7 +210,8 @@ std::vector<at::Tensor> int8_stack(const at::Tensor& x_in, at::TensorList weight
 
 }  // namespace
 
-// x [b, n, H]. Layer i: weights[4i .. 4i+3] = its qkv, o, gate_up and down blocks (GGML types in qtypes),
+// x [b, n, H]. Layer i: weights[4i .. 4i+3] = its qkv, o, gate_up and down blocks (GGML types in qtypes;
+// with `parts`, weight slot k is parts[k] consecutive entries of weights and qtypes, side by side),
 // norms[2i], norms[2i+1] = its input and post-attention RMSNorm weights, qk_norms[2i], qk_norms[2i+1] its
 // per-head q and k RMSNorm weights (Qwen3; empty: none), cache_k[i] / cache_v[i] its KV
 // cache; cos / sin [b, n, 1, head_dim] for the new tokens' positions. Returns the last layer's output and
@@ -198,17 +223,17 @@ std::vector<at::Tensor> decoder_layers(const at::Tensor& x_in, at::TensorList we
                                        const at::Tensor& cos, const at::Tensor& sin, at::TensorList cache_k,
                                        at::TensorList cache_v, at::IntArrayRef slots, at::IntArrayRef starts,
                                        int64_t length, const c10::optional<at::Tensor>& visible,
-                                       at::IntArrayRef capture, bool int8) {
+                                       at::IntArrayRef capture, bool int8, at::IntArrayRef parts) {
   const int64_t layers = static_cast<int64_t>(cache_k.size());
-  TORCH_CHECK(x_in.dim() == 3 && static_cast<int64_t>(weights.size()) == 4 * layers &&
-                  static_cast<int64_t>(qtypes.size()) == 4 * layers &&
+  const std::vector<Slot> ws = slots_of(weights, qtypes, parts);
+  TORCH_CHECK(x_in.dim() == 3 && static_cast<int64_t>(ws.size()) == 4 * layers &&
                   static_cast<int64_t>(norms.size()) == 2 * layers &&
                   static_cast<int64_t>(cache_v.size()) == layers && layers > 0,
               "blockspec decoder_layers: x [b, n, H] and, per layer, 4 weights, 4 types, 2 norms, 2 caches");
   TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers,
               "blockspec decoder_layers: q/k norms: none, or a q and a k weight per layer");
   if (int8)
-    return int8_stack(x_in, weights, qtypes, norms, qk_norms, static_cast<float>(eps), heads, kv_heads,
+    return int8_stack(x_in, ws, norms, qk_norms, static_cast<float>(eps), heads, kv_heads,
                       intermediate, cos, sin, cache_k, cache_v, slots, starts, length, visible, capture);
   const int64_t b = x_in.size(0), n = x_in.size(1), hidden = x_in.size(2), d = cache_k[0].size(3);
   at::Tensor x = x_in.contiguous();
@@ -216,7 +241,7 @@ std::vector<at::Tensor> decoder_layers(const at::Tensor& x_in, at::TensorList we
   const c10::optional<at::Tensor> none;
   for (int64_t i = 0; i < layers; ++i) {
     at::Tensor h = rms_norm(x, norms[2 * i], eps).view({b * n, hidden});
-    at::Tensor qkv = quant_matmul(h, weights[4 * i], qtypes[4 * i], false, none);
+    at::Tensor qkv = slot_matmul(h, ws[4 * i], none);
     qkv = qkv.view({b, n, heads + 2 * kv_heads, d});
     if (!qk_norms.empty()) {
       qkv.narrow(2, 0, heads).copy_(rms_norm(qkv.narrow(2, 0, heads), qk_norms[2 * i], eps));
@@ -227,11 +252,10 @@ std::vector<at::Tensor> decoder_layers(const at::Tensor& x_in, at::TensorList we
     at::Tensor attn = cache_attention(qkv.narrow(2, 0, heads), qkv.narrow(2, heads, kv_heads),
                                       qkv.narrow(2, heads + kv_heads, kv_heads), cache_k[i], cache_v[i],
                                       slots, starts, length, visible);
-    x = quant_matmul(attn.view({b * n, heads * d}), weights[4 * i + 1], qtypes[4 * i + 1], false,
-                     x.view({b * n, hidden}));
+    x = slot_matmul(attn.view({b * n, heads * d}), ws[4 * i + 1], x.view({b * n, hidden}));
     h = rms_norm(x, norms[2 * i + 1], eps);
-    at::Tensor gate_up = quant_matmul(h, weights[4 * i + 2], qtypes[4 * i + 2], false, none);
-    x = quant_matmul(silu_mul(gate_up), weights[4 * i + 3], qtypes[4 * i + 3], false, x).view({b, n, hidden});
+    at::Tensor gate_up = slot_matmul(h, ws[4 * i + 2], none);
+    x = slot_matmul(silu_mul(gate_up), ws[4 * i + 3], x).view({b, n, hidden});
     for (size_t c = 0; c < capture.size(); ++c)
       if (capture[c] == i) captured[c] = x;
   }
@@ -245,7 +269,7 @@ TORCH_LIBRARY_FRAGMENT(blockspec, m) {
   m.def("decoder_layers(Tensor x, Tensor[] weights, int[] qtypes, Tensor[] norms, Tensor[] qk_norms, "
         "float eps, int heads, int kv_heads, int intermediate, Tensor cos, Tensor sin, Tensor(a!)[] cache_k, "
         "Tensor(b!)[] cache_v, int[] slots, int[] starts, int length, Tensor? visible, int[] capture, "
-        "bool int8=False) -> Tensor[]");
+        "bool int8=False, int[] parts=[]) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(blockspec, CPU, m) {

@@ -5,7 +5,7 @@
 
 namespace blockspec_kernels {
 
-// Bytes of one stored GGUF block of 32 weights of a GGML type (quant_matmul.cpp); refuses other types.
+// Bytes of one stored GGUF block of a GGML type (gguf_blocks.cpp); refuses other types.
 int64_t block_bytes(int64_t qtype);
 
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, bool portable,

@@ -1,15 +1,18 @@
-// y = x W^T for GGUF block-quantized weights W (Q4_0, Q4_1, Q8_0) held as stored, with fp32 activations and
-// fp32 accumulation. Weights dequantize exactly (q*d and q*d + m are exact in fp32 for these formats), so
-// the only difference from a dense fp32 matmul over the dequantized weights is the summation order, which is
-// fixed per output: 8 lanes accumulate in block order, each block's 32 products in 4 fused steps, then one
+// y = x W^T for GGUF block-quantized weights W held as stored (every type of gguf_blocks.h), with fp32
+// activations and fp32 accumulation: the exact reference path. Weights dequantize as gguf-py dequantizes
+// them, so the only difference from a dense fp32 matmul over gguf-py's weights is the summation order, which
+// is fixed per output: 8 lanes, lane l accumulating elements l, l + 8, l + 16, ... in order by fma, then one
 // fixed horizontal sum. It does not depend on how many rows come in or where a row sits (batch invariance),
 // nor on the thread count (threads split the outputs, never a sum). The AVX2+FMA+F16C path and the portable
-// path compute bit-identical results.
+// path compute bit-identical results (Q4_0, Q4_1 and Q8_0 dequantize in vector code, the other types
+// through the portable reader, both exact).
 
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/extension.h>
 
+#include "gguf_blocks.h"
+#include "gguf_dequant_avx2.h"
 #include "ops.h"
 
 #include <cmath>
@@ -23,49 +26,9 @@
 
 namespace blockspec_kernels {
 
-constexpr int64_t kBlock = 32;  // weights per block, every supported type
-
-// GGML type ids (as gguf.GGMLQuantizationType numbers them) and their block sizes in bytes.
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
-
-int64_t block_bytes(int64_t qtype) {
-  switch (qtype) {
-    case kQ4_0: return 18;  // fp16 d, 16 bytes of nibbles: w = (q - 8) d
-    case kQ4_1: return 20;  // fp16 d, fp16 m, 16 bytes of nibbles: w = q d + m
-    case kQ8_0: return 34;  // fp16 d, 32 int8: w = q d
-  }
-  TORCH_CHECK(false, "blockspec kernels: unsupported GGML type id ", qtype,
-              "; supported: 2 (Q4_0), 3 (Q4_1), 8 (Q8_0)");
-  return 0;
-}
-
-inline uint16_t load_u16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
-}
-
-inline float half_to_float(uint16_t bits) {
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
+constexpr int64_t kBlock = 32;  // weights per sub-block: the unit every kernel steps by
 
 // ---- portable path ------------------------------------------------------------------------------------
-
-// The 32 weights of one block, in element order (nibbles: element j is the low half of byte j, element
-// j + 16 its high half, as GGML stores them).
-void dequant_block(int64_t qtype, const uint8_t* p, float* w) {
-  const float d = half_to_float(load_u16(p));
-  if (qtype == kQ8_0) {
-    for (int j = 0; j < 32; ++j) w[j] = static_cast<float>(static_cast<int8_t>(p[2 + j])) * d;
-    return;
-  }
-  const float m = qtype == kQ4_1 ? half_to_float(load_u16(p + 2)) : -8.0f * d;
-  const uint8_t* q = p + (qtype == kQ4_1 ? 4 : 2);
-  for (int j = 0; j < 16; ++j) {
-    w[j] = std::fma(static_cast<float>(q[j] & 0xF), d, m);
-    w[j + 16] = std::fma(static_cast<float>(q[j] >> 4), d, m);
-  }
-}
 
 // The AVX2 path's horizontal sum of 8 lanes, in its order.
 inline float lane_sum(const float* a) {
@@ -74,13 +37,12 @@ inline float lane_sum(const float* a) {
 
 void rows_portable(int64_t qtype, const uint8_t* wrow, int64_t nblocks, const float* x, int64_t ldx,
                    int64_t rows, float* y, int64_t ldy) {
-  const int64_t bytes = block_bytes(qtype);
   float w[32];
   for (int64_t r = 0; r < rows; ++r) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     const float* xr = x + r * ldx;
     for (int64_t b = 0; b < nblocks; ++b) {
-      dequant_block(qtype, wrow + b * bytes, w);
+      dequant_row_sub(qtype, wrow, b, w);
       for (int part = 0; part < 4; ++part) {
         for (int lane = 0; lane < 8; ++lane) {
           const int64_t k = part * 8 + lane;
@@ -95,6 +57,7 @@ void rows_portable(int64_t qtype, const uint8_t* wrow, int64_t nblocks, const fl
 // ---- AVX2 path ----------------------------------------------------------------------------------------
 
 #ifdef BLOCKSPEC_X86
+using namespace dequant_avx2;
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 // Bytes ahead of the block being read that each output's stream prefetches: the weights come from memory
@@ -109,41 +72,16 @@ AVX2 inline float hsum(__m256 v) {
   return _mm_cvtss_f32(a);
 }
 
-// 8 bytes widened to 8 int32 lanes straight from memory (one shuffle; the load folds into it).
-AVX2 inline __m256i widen_u8(const uint8_t* p) {
-  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-}
-AVX2 inline __m256i widen_i8(const uint8_t* p) {
-  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-}
-
-template <int64_t QT>
-AVX2 inline void dequant(const uint8_t* p, __m256* w) {
-  const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
-  if constexpr (QT == kQ8_0) {
-    for (int part = 0; part < 4; ++part)
-      w[part] = _mm256_mul_ps(_mm256_cvtepi32_ps(widen_i8(p + 2 + 8 * part)), d);
-  } else {
-    const __m256 m = QT == kQ4_1 ? _mm256_set1_ps(_cvtsh_ss(load_u16(p + 2)))
-                                 : _mm256_mul_ps(_mm256_set1_ps(-8.0f), d);
-    const uint8_t* q = p + (QT == kQ4_1 ? 4 : 2);
-    // Bytes 0-7 and 8-15, each widened once: their low nibbles are elements 0-15, their high ones 16-31.
-    const __m256i nibble = _mm256_set1_epi32(0xF);
-    const __m256i b0 = widen_u8(q), b1 = widen_u8(q + 8);
-    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, nibble)), d, m);
-    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, nibble)), d, m);
-    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), d, m);
-    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), d, m);
-  }
-}
-
 // NT consecutive outputs (weight rows `wrow`, `stride` bytes apart) times R activation rows: each of the
 // NT * R dot products in its own accumulator, in the one fixed order. Several outputs per pass keep
 // independent FMA chains in flight for a single row; several rows per pass dequantize each block once.
 template <int64_t QT, int NT, int R>
 AVX2 void tile_avx2(const uint8_t* wrow, int64_t stride, int64_t nblocks, const float* x, int64_t ldx,
                     float* y, int64_t ldy) {
-  constexpr int64_t bytes = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : 34;
+  constexpr int64_t elems = QT == kQ4_K || QT == kQ5_K || QT == kQ6_K ? 256 : 32;
+  constexpr int64_t bytes = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : QT == kQ5_0 ? 22 : QT == kQ5_1 ? 24
+                            : QT == kQ8_0 ? 34 : QT == kQ4_K ? 144 : QT == kQ5_K ? 176 : QT == kQ6_K ? 210
+                            : 64;  // F16, BF16: 32 values
   __m256 acc[NT][R];
 #pragma GCC unroll 8
   for (int n = 0; n < NT; ++n)
@@ -153,10 +91,10 @@ AVX2 void tile_avx2(const uint8_t* wrow, int64_t stride, int64_t nblocks, const 
     const float* xb = x + b * kBlock;
 #pragma GCC unroll 8
     for (int n = 0; n < NT; ++n) {
-      const uint8_t* p = wrow + n * stride + b * bytes;
-      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch), _MM_HINT_T0);
+      const uint8_t* row = wrow + n * stride;
+      _mm_prefetch(reinterpret_cast<const char*>(row + b * 32 / elems * bytes + kPrefetch), _MM_HINT_T0);
       __m256 w[4];
-      dequant<QT>(p, w);
+      dequant<QT>(row, b, w);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const float* xr = xb + r * ldx;
@@ -222,6 +160,13 @@ void outputs(int64_t qtype, const uint8_t* w, int64_t stride, int64_t nblocks, c
       case kQ4_0: return outputs_avx2<kQ4_0>(w, stride, nblocks, x, ldx, rows, y, ldy, n0, n1);
       case kQ4_1: return outputs_avx2<kQ4_1>(w, stride, nblocks, x, ldx, rows, y, ldy, n0, n1);
       case kQ8_0: return outputs_avx2<kQ8_0>(w, stride, nblocks, x, ldx, rows, y, ldy, n0, n1);
+      case kQ5_0: return outputs_avx2<kQ5_0>(w, stride, nblocks, x, ldx, rows, y, ldy, n0, n1);
+      case kQ5_1: return outputs_avx2<kQ5_1>(w, stride, nblocks, x, ldx, rows, y, ldy, n0, n1);
+      case kQ4_K: return outputs_avx2<kQ4_K>(w, stride, nblocks, x, ldx, rows, y, ldy, n0, n1);
+      case kQ5_K: return outputs_avx2<kQ5_K>(w, stride, nblocks, x, ldx, rows, y, ldy, n0, n1);
+      case kQ6_K: return outputs_avx2<kQ6_K>(w, stride, nblocks, x, ldx, rows, y, ldy, n0, n1);
+      case kF16: return outputs_avx2<kF16>(w, stride, nblocks, x, ldx, rows, y, ldy, n0, n1);
+      case kBF16: return outputs_avx2<kBF16>(w, stride, nblocks, x, ldx, rows, y, ldy, n0, n1);
     }
   }
 #endif
@@ -237,11 +182,11 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t q
               x.scalar_type());
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "blockspec quant_matmul: blocks must be a contiguous 2-D uint8 tensor");
-  const int64_t bytes = block_bytes(qtype);
+  const int64_t bytes = block_bytes(qtype), elems = block_elems(qtype);
   const int64_t rows = x.size(0), k = x.size(1), n = blocks.size(0);
-  TORCH_CHECK(k % kBlock == 0 && blocks.size(1) == k / kBlock * bytes, "blockspec quant_matmul: x has ", k,
+  TORCH_CHECK(k % elems == 0 && blocks.size(1) == k / elems * bytes, "blockspec quant_matmul: x has ", k,
               " columns but the weight rows hold ", blocks.size(1), " bytes (", bytes, " per block of ",
-              kBlock, ")");
+              elems, ")");
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
@@ -269,25 +214,6 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t q
   return y;
 }
 
-// Rows `ids` of the dequantized weight [len(ids), K] (an embedding lookup from quantized blocks).
-at::Tensor quant_rows(const at::Tensor& blocks, const at::Tensor& ids, int64_t qtype) {
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
-              "blockspec quant_rows: blocks must be a contiguous 2-D uint8 tensor");
-  const int64_t bytes = block_bytes(qtype), nblocks = blocks.size(1) / bytes;
-  const at::Tensor idx = ids.to(at::kLong).contiguous();
-  at::Tensor out = at::empty({idx.numel(), nblocks * kBlock}, at::TensorOptions().dtype(at::kFloat));
-  const int64_t* ip = idx.data_ptr<int64_t>();
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  for (int64_t i = 0; i < idx.numel(); ++i) {
-    TORCH_CHECK(ip[i] >= 0 && ip[i] < blocks.size(0), "blockspec quant_rows: row ", ip[i],
-                " is outside [0, ", blocks.size(0), ")");
-    for (int64_t b = 0; b < nblocks; ++b)
-      dequant_block(qtype, w + ip[i] * blocks.size(1) + b * bytes, op + i * nblocks * kBlock + b * kBlock);
-  }
-  return out;
-}
-
 }  // namespace blockspec_kernels
 
 using namespace blockspec_kernels;
@@ -295,13 +221,11 @@ using namespace blockspec_kernels;
 TORCH_LIBRARY(blockspec, m) {
   m.def("quant_matmul(Tensor x, Tensor blocks, int qtype, bool portable=False, Tensor? residual=None) "
         "-> Tensor");
-  m.def("quant_rows(Tensor blocks, Tensor ids, int qtype) -> Tensor");
   m.def("avx2_available() -> bool", [] { return avx2_available(); });
 }
 
 TORCH_LIBRARY_IMPL(blockspec, CPU, m) {
   m.impl("quant_matmul", &quant_matmul);
-  m.impl("quant_rows", &quant_rows);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

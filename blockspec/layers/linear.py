@@ -12,7 +12,8 @@ from torch import nn
 from blockspec.distributed import TPGroup
 from blockspec.errors import ModelLoadError
 from blockspec.layers.dense import LEVELS, dense_product
-from blockspec.layers.quant import BLOCK, Blocks, QuantType, QuantWeight
+from blockspec.layers.quant import Blocks, QuantType, QuantWeight
+from blockspec.layers.quant_parts import QuantParts
 
 # A checkpoint tensor's part this rank loads: (dim, start, length, the tensor's full size along dim).
 Source = tuple[int, int, int, int]
@@ -36,7 +37,7 @@ class Linear(nn.Module):
         # input's weights for a slab of outputs as one contiguous run (and a BLAS runs an NN GEMM).
         self.weight = nn.Parameter(torch.empty(in_features, self.out_features).t())
         self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
-        self.quant: QuantWeight | None = None  # the weight as GGUF blocks instead (use_blocks)
+        self.quant: QuantWeight | QuantParts | None = None  # the weight as GGUF blocks instead (use_blocks)
         # Tensor parallelism (shard_columns / shard_rows): this rank's group, and the part of each fused
         # checkpoint tensor it holds.
         self.tp: TPGroup | None = None
@@ -51,17 +52,23 @@ class Linear(nn.Module):
     def device(self) -> torch.device:
         return torch.device("cpu") if self.quant is not None else self.weight.device
 
-    def use_blocks(self, qtype: QuantType) -> None:
-        """Hold the weight as `qtype` blocks from now on (before loading it): a CPU inference form."""
+    def use_blocks(self, qtype: QuantType | Sequence[QuantType]) -> None:
+        """Hold the weight as `qtype` blocks from now on (before loading it): a CPU inference form. A list:
+        one type per fused part (as a GGUF file stores each)."""
+        qtypes = list(qtype) if isinstance(qtype, (list, tuple)) else [qtype] * len(self.shards)
         if self.parallel == "row":
             _, start, length, full = self.sources[0]
-            if start % BLOCK or length % BLOCK:
+            block = max(t.block_elems for t in qtypes)
+            if start % block or length % block:
                 raise ModelLoadError(
-                    f"Tensor parallelism splits a {qtype.name} weight's {full} inputs on {BLOCK}-weight "
+                    f"Tensor parallelism splits a {qtypes[0].name} weight's {full} inputs on {block}-weight "
                     f"block boundaries, but rank {self.tp.rank} of {self.tp.size} would hold inputs "
-                    f"[{start}, {start + length}). Use a --tp-size whose parts are multiples of {BLOCK}, or "
+                    f"[{start}, {start + length}). Use a --tp-size whose parts are multiples of {block}, or "
                     f"--quantization none.")
-        self.quant = QuantWeight(self.out_features, self.in_features, qtype)
+        if len(set(qtypes)) == 1:
+            self.quant = QuantWeight(self.out_features, self.in_features, qtypes[0])
+        else:
+            self.quant = QuantParts.build(self.shards, self.in_features, qtypes)
         self.weight = None
 
     # ---- tensor parallelism (before loading) ---------------------------------------------------------

@@ -1,13 +1,16 @@
-"""Weights held as GGUF blocks (Q4_0, Q4_1, Q8_0), multiplied by blockspec's own CPU kernels.
+"""Weights held as GGUF blocks, multiplied by blockspec's own CPU kernels.
 
-A GGUF file stores each weight row as blocks of 32 weights: an fp16 scale (and for Q4_1 an fp16 offset)
-and the quantized values. `QuantWeight` keeps those bytes exactly, and multiplies activations by them in one
-of two ways (`activations`):
+A GGUF file stores each weight row as blocks: 32 weights with an fp16 scale (Q4_0, Q5_0, Q8_0; Q4_1 and
+Q5_1 also an fp16 min) or the K-quants' super-blocks of 256 (Q4_K, Q5_K: 8 sub-blocks with 6-bit scales and
+mins; Q6_K: 16 sub-blocks with int8 scales), and the quantized values (kernels/gguf_blocks.h has the
+layouts). `QuantWeight` keeps those bytes exactly, and multiplies activations by them in one of two ways
+(`activations`):
 - "fp32": rows of blocks as stored; fp32 activations, fp32 accumulation (kernels/quant_matmul.cpp). The
   exact reference: the weights dequantize exactly, each output's summation order is fixed.
 - "int8": the blocks repacked once, 8 output rows interleaved (kernels/int8_matmul.cpp); each activation row
   is quantized to int8 blocks of 32 once per matmul and every block dot product runs in integers, 3-4x the
-  multiply-adds per second of the fp32 form on a verify block or prompt chunk.
+  multiply-adds per second of the fp32 form on a verify block or prompt chunk. The repacked form holds every
+  stored bit (`stored()` gives the file's blocks back); 5- and 6-bit quants are widened to a byte there.
 Either way a row's result depends on that row alone, not on the batch, its position or the thread count.
 A `Linear` (or `Embedding`) whose weight is a QuantWeight owns it the same way it owns a dense one.
 """
@@ -24,7 +27,7 @@ from blockspec.errors import ModelLoadError
 
 log = logging.getLogger("blockspec")
 
-BLOCK = 32  # weights per block
+BLOCK = 32  # weights per (sub-)block: the unit every kernel steps by
 ACTIVATIONS = ("int8", "fp32")  # how block weights meet activations on the CPU (QuantWeight.activations)
 
 
@@ -33,10 +36,20 @@ class QuantType:
     name: str
     ggml_id: int  # gguf.GGMLQuantizationType's number
     block_bytes: int
+    block_elems: int = BLOCK  # weights per stored block (256: a K-quant super-block)
+    requantizable: bool = True  # gguf.quants.quantize makes it (not the K-quants)
+
+    @property
+    def floats(self) -> bool:
+        """F16 / BF16: values as stored (blocks of 32 of them), multiplied with fp32 activations only."""
+        return self.name in ("f16", "bf16")
 
 
-QUANT_TYPES = {t.name: t for t in (QuantType("q4_0", 2, 18), QuantType("q4_1", 3, 20),
-                                   QuantType("q8_0", 8, 34))}
+QUANT_TYPES = {t.name: t for t in (
+    QuantType("q4_0", 2, 18), QuantType("q4_1", 3, 20), QuantType("q5_0", 6, 22), QuantType("q5_1", 7, 24),
+    QuantType("q8_0", 8, 34), QuantType("q4_k", 12, 144, 256, False), QuantType("q5_k", 13, 176, 256, False),
+    QuantType("q6_k", 14, 210, 256, False), QuantType("f16", 1, 64, 32, False),
+    QuantType("bf16", 30, 64, 32, False))}
 BY_GGML_ID = {t.ggml_id: t for t in QUANT_TYPES.values()}
 
 
@@ -68,11 +81,11 @@ class QuantWeight:
     """A weight [rows, cols] held as blocks, with the matmul and row lookup over them."""
 
     def __init__(self, rows: int, cols: int, qtype: QuantType) -> None:
-        if cols % BLOCK:
-            raise ModelLoadError(f"a {qtype.name} weight needs a multiple of {BLOCK} columns "
+        if cols % qtype.block_elems:
+            raise ModelLoadError(f"a {qtype.name} weight needs a multiple of {qtype.block_elems} columns "
                                  f"(its block size), got {cols}. Use --quantization none for this model.")
         self.qtype, self.cols, self.num_rows = qtype, cols, rows
-        self.data = torch.empty((rows, cols // BLOCK * qtype.block_bytes), dtype=torch.uint8)
+        self.data = torch.empty((rows, cols // qtype.block_elems * qtype.block_bytes), dtype=torch.uint8)
         self.activations = "fp32"  # "int8" once repacked (use_int8)
 
     @property
@@ -88,8 +101,9 @@ class QuantWeight:
         return self.activations == "int8"
 
     def use_int8(self) -> None:
-        """Repack the loaded blocks for int8 activations (in place, once; the stored rows are not kept)."""
-        if not self.packed:
+        """Repack the loaded blocks for int8 activations (in place, once; the stored rows are not kept).
+        F16 / BF16 weights stay as they are (fp32 activations: there is no integer form of a float)."""
+        if not self.packed and not self.qtype.floats:
             self.data = kernels().int8_pack(self.data, self.qtype.ggml_id)
             self.activations = "int8"
 
@@ -107,6 +121,16 @@ class QuantWeight:
         if isinstance(tensor, Blocks) and tensor.qtype == self.qtype:
             self.data[rows].copy_(tensor.data)
             return
+        if self.qtype.floats:  # a file's F16 / BF16 values arrive as fp32: converted back exactly
+            dense = tensor.dequantize() if isinstance(tensor, Blocks) else tensor
+            half = dense.to(torch.float16 if self.qtype.name == "f16" else torch.bfloat16).contiguous()
+            self.data[rows].copy_(half.view(torch.uint8).view(dense.shape[0], -1))
+            return
+        if not self.qtype.requantizable:
+            given = tensor.qtype.name if isinstance(tensor, Blocks) else "a float tensor"
+            raise ModelLoadError(f"a {self.qtype.name} weight loads only {self.qtype.name} blocks (no "
+                                 f"quantizer here makes them), got {given}. Hold the layer in a type its "
+                                 f"parts share.")
         dense = tensor.dequantize() if isinstance(tensor, Blocks) else tensor  # requantized to this type
         self.data[rows].copy_(quantize(dense, self.qtype))
 

@@ -187,12 +187,12 @@ class DFlashDraft(nn.Module):
         rope = self.rotary.table(batch.positions, x.dtype)
         stack = self.block_stack() if batch.cache is not None and features is None else None
         if stack is not None and (ops := fused_ops(x)) is not None:
-            weights, qtypes, norms, qk_norms, int8 = stack
+            weights, qtypes, norms, qk_norms, int8, parts = stack
             attn, cache, cfg = self.layers[0].self_attn, batch.cache, self.config
             x = ops.decoder_layers(x, weights, qtypes, norms, qk_norms, cfg.rms_norm_eps, attn.heads,
                                    attn.kv_heads, cfg.intermediate_size, *rope, cache.k_layers,
                                    cache.v_layers, batch.slots, batch.starts, batch.kv_length,
-                                   batch.visible(), [], int8)[0]
+                                   batch.visible(), [], int8, parts)[0]
             return self.norm(x)
         ctx = ctx_rope = None
         if features is not None:

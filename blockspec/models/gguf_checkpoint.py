@@ -15,14 +15,17 @@ import numpy as np
 import torch
 
 from blockspec.errors import ModelLoadError
-from blockspec.layers.quant import BY_GGML_ID, QUANT_TYPES, Blocks, QuantType
+from blockspec.layers.quant import BY_GGML_ID, Blocks, QuantType
 from blockspec.models.gguf_convert import INSTALL_HINT, hf_name, unpermute
-from blockspec.models.gguf_file import F16, F32, GGUFFile
+from blockspec.models.gguf_file import BF16, F16, F32, GGUFFile
+
+READ_TYPES = ", ".join([t.name.upper() for t in BY_GGML_ID.values()] + ["F32"])
 
 
 class GGUFCheckpoint:
-    """Every tensor of a Llama GGUF under its HF name: `Blocks` for the types blockspec's kernels read, dense
-    fp32 for float types. Another quantized type is refused, named, when read."""
+    """Every tensor of a Llama GGUF under its HF name: `Blocks` for the types blockspec's kernels read (each
+    tensor in its own type), dense fp32 for float types. Another quantized type is refused, named, when held
+    as blocks."""
 
     def __init__(self, path: Path) -> None:
         self.source, self.file = path, _open(path)
@@ -40,18 +43,20 @@ class GGUFCheckpoint:
         return None if tensor is None else tuple(int(d) for d in reversed(tensor.shape))
 
     def stored_type(self, name: str) -> QuantType | None:
-        """The block type the tensor is stored in, None for a float tensor."""
+        """The block type the tensor is stored in (F16 and BF16 too: held as stored), None for F32."""
         kind = self._tensors[name].tensor_type
-        if kind in (F32, F16):
+        if kind == F32:
             return None
         if kind not in BY_GGML_ID:
             import gguf  # its name, for the message
 
-            kind_name = gguf.GGMLQuantizationType(kind).name
             raise ModelLoadError(
-                f"{self.source}: tensor {self._tensors[name].name} is {kind_name}, which blockspec's "
-                f"kernels do not read (they read {', '.join(sorted(QUANT_TYPES))}). Use --quantization none "
-                f"to run it dequantized in fp32, or --quantization q8_0 to requantize it.")
+                f"{self.source}: tensor {self._tensors[name].name} is "
+                f"{gguf.GGMLQuantizationType(kind).name}, "
+                f"which blockspec's kernels do not read (they read {READ_TYPES}). Requantize the file with "
+                f"llama.cpp: `llama-quantize --allow-requantize {self.source.name} out.gguf Q4_K_M` (or "
+                f"Q5_K_M, Q6_K, Q8_0), or pass --quantization none to run it dequantized in fp32 (4-8x the "
+                f"memory).")
         return BY_GGML_ID[int(kind)]
 
     def get(self, name: str, source: tuple[int, int, int, int] | None = None) -> torch.Tensor | Blocks:
@@ -69,15 +74,19 @@ class GGUFCheckpoint:
                 data = data[start : start + length]
             else:
                 per_col = data.shape[1] / cols  # bytes (a block type) or values (float) per input
-                if kind in BY_GGML_ID and (start % 32 or length % 32):
+                elems = BY_GGML_ID[kind].block_elems if kind in BY_GGML_ID else 1
+                if start % elems or length % elems:
                     raise ModelLoadError(f"{self.source}: {name} cannot be split at input {start} "
-                                         f"(+{length}): blocks hold 32 inputs. Use another --tp-size.")
+                                         f"(+{length}): its blocks hold {elems} inputs. Use another "
+                                         f"--tp-size.")
                 data = data[:, int(start * per_col) : int((start + length) * per_col)]
                 cols = length
         if heads is not None:  # llama.cpp's row order of q and k: whole rows move, blocks stay intact
             data = unpermute(data, heads)
         if kind in (F32, F16):
             return torch.from_numpy(np.array(data, dtype=np.float32))
+        if kind == BF16:  # the top half of a float32
+            return torch.from_numpy((np.ascontiguousarray(data).astype(np.uint32) << 16).view(np.float32))
         if kind in BY_GGML_ID:
             return Blocks(BY_GGML_ID[kind], torch.from_numpy(np.array(data, dtype=np.uint8)), cols)
         # a type the kernels do not read, for a dense layer (`stored_type` refuses it for blocks)

@@ -21,7 +21,7 @@ from blockspec.errors import ModelLoadError
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
-F32, F16 = 0, 1  # GGMLQuantizationType ids of the float types
+F32, F16, BF16 = 0, 1, 30  # GGMLQuantizationType ids of the float types
 # Metadata value types (GGUFValueType): fixed-size scalars by struct format, then STRING=8, ARRAY=9.
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
             12: "<d"}
@@ -33,7 +33,9 @@ class GGUFTensor:
     name: str
     shape: tuple[int, ...]  # GGUF order: innermost dimension first (as gguf-py's ReaderTensor.shape)
     tensor_type: int  # GGMLQuantizationType id
-    data: np.ndarray  # float32/float16 [..., inner], or uint8 rows of blocks [..., bytes]: a view of the map
+    # float32/float16 (BF16: its uint16 bits) [..., inner], or uint8 rows of blocks [..., bytes]: a view of
+    # the map
+    data: np.ndarray
 
 
 class GGUFFile:
@@ -87,12 +89,12 @@ class GGUFFile:
 
     def _view(self, name: str, shape: tuple[int, ...], kind: int, offset: int) -> np.ndarray:
         rows = tuple(reversed(shape[1:]))
-        if kind in (F32, F16):
-            dtype = np.float32 if kind == F32 else np.float16
+        if kind in (F32, F16, BF16):
+            dtype = {F32: np.float32, F16: np.float16, BF16: np.uint16}[kind]
             count = int(np.prod(shape))
             array = np.frombuffer(self._map, dtype=dtype, count=count, offset=offset)
             return array.reshape(*rows, shape[0])
-        block, block_bytes = _block_size(kind)
+        block, block_bytes = _block_size(name, kind)
         if shape[0] % block:
             raise ValueError(f"tensor {name}: {shape[0]} inputs are not whole blocks of {block}")
         per_row = shape[0] // block * block_bytes
@@ -100,18 +102,20 @@ class GGUFFile:
         return np.frombuffer(self._map, dtype=np.uint8, count=count, offset=offset).reshape(*rows, per_row)
 
 
-def _block_size(kind: int) -> tuple[int, int]:
+def _block_size(name: str, kind: int) -> tuple[int, int]:
     """(values per block, bytes per block) of a block type: blockspec's own types without importing gguf."""
-    from blockspec.layers.quant import BLOCK, BY_GGML_ID
+    from blockspec.layers.quant import BY_GGML_ID
 
     if kind in BY_GGML_ID:
-        return BLOCK, BY_GGML_ID[kind].block_bytes
-    import gguf  # another type (read dequantized): gguf-py knows its block layout
+        return BY_GGML_ID[kind].block_elems, BY_GGML_ID[kind].block_bytes
+    import gguf  # another type (refused, or read dequantized): gguf-py knows its block layout
 
     try:
         return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
     except (KeyError, ValueError) as exc:
-        raise ValueError(f"unknown tensor type {kind}") from exc
+        raise ValueError(f"tensor {name} has type id {kind}, which is not a GGML type gguf-py knows "
+                         f"(ik_llama.cpp writes such ids, e.g. its _R4/_R8 repacks); requantize the file "
+                         f"with llama.cpp's llama-quantize (to Q4_K_M, say)") from exc
 
 
 def _string(buf, pos: int) -> tuple[str, int]:

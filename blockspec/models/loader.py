@@ -172,16 +172,19 @@ def hold_as_blocks(names: dict[str, tuple[nn.Module, str, torch.Tensor]], checkp
         if quantization != "stored":
             layer.use_blocks(quant_type(quantization))
             continue
-        stored = {checkpoint.stored_type(name) for name in weights}
-        if len(stored) > 1:
-            kinds = ", ".join(f"{n}: {t.name if t else 'float'}" for n, t in
-                              ((n, checkpoint.stored_type(n)) for n in weights))
-            raise ModelLoadError(f"{checkpoint.source}: the parts of one fused layer are stored in "
-                                 f"different types ({kinds}); "
-                                 f"pass --quantization q8_0 (or none) to load them in one.")
-        qtype = stored.pop()
-        if qtype is not None:
-            layer.use_blocks(qtype)
+        stored = [checkpoint.stored_type(name) for name in weights]
+        if len(set(stored)) == 1:
+            if stored[0] is not None:
+                layer.use_blocks(stored[0])
+            continue
+        if None in stored or not isinstance(layer, Linear) or layer.shard_names is None:
+            kinds = ", ".join(f"{n}: {t.name if t else 'float'}" for n, t in zip(weights, stored))
+            raise ModelLoadError(f"{checkpoint.source}: the parts of one fused layer are stored as blocks "
+                                 f"and as floats ({kinds}); pass --quantization q8_0 (or none) to load "
+                                 f"them in one.")
+        # each fused part in its own type, in the layer's part order
+        by_part = {name.rsplit(".", 2)[-2]: qtype for name, qtype in zip(weights, stored)}
+        layer.use_blocks([by_part[part] for part in layer.shard_names])
 
 
 def load_target(folder: str | Path, dtype: torch.dtype, device: torch.device,

@@ -81,10 +81,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm.fold_into(self.mlp.gate_up_proj)
 
 
-# A layer stack for blockspec/kernels/layer_stack.cpp: every layer's blocks (qkv, o, gate_up, down), their
-# GGML types, norm weights (input, post-attention), per-head q/k norm weights (Qwen3; else none) and whether
-# the blocks take int8 activations.
-BlockStack = tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[torch.Tensor], bool]
+# A layer stack for blockspec/kernels/layer_stack.cpp: every layer's blocks (qkv, o, gate_up, down; a fused
+# weight whose parts are of several types as its parts, side by side), their GGML types, norm weights (input,
+# post-attention), per-head q/k norm weights (Qwen3; else none), whether the blocks take int8 activations,
+# and how many parts each of the 4 weights a layer has (all 1: none).
+BlockStack = tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[torch.Tensor], bool, list[int]]
 
 
 def block_stack(layers) -> BlockStack | None:
@@ -96,15 +97,17 @@ def block_stack(layers) -> BlockStack | None:
     if not all(linear.quant is not None and linear.bias is None and linear.parallel is None
                for linear in linears) or any(layer.input_layernorm.folded for layer in layers):
         return None
-    forms = {linear.quant.activations for linear in linears}
+    parts = [getattr(linear.quant, "parts", [linear.quant]) for linear in linears]
+    forms = {w.activations for ws in parts for w in ws}
     qk = [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in layers]
     if len(forms) != 1 or len({q is None for q, _ in qk}) != 1:
         return None
     norms = [norm.weight for layer in layers
              for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
     qk_norms = [norm.weight for pair in qk for norm in pair if norm is not None]
-    return ([linear.quant.data for linear in linears], [linear.quant.qtype.ggml_id for linear in linears],
-            norms, qk_norms, forms == {"int8"})
+    counts = [len(ws) for ws in parts] if any(len(ws) > 1 for ws in parts) else []
+    return ([w.data for ws in parts for w in ws], [w.qtype.ggml_id for ws in parts for w in ws], norms,
+            qk_norms, forms == {"int8"}, counts)
 
 
 class CausalLM(nn.Module):
@@ -162,14 +165,15 @@ class CausalLM(nn.Module):
                         capture: tuple[int, ...]) -> list[torch.Tensor]:
         """Layers first.. as one op (`block_stack`): [last output, the outputs of layers `capture` side by
         side]."""
-        weights, qtypes, norms, qk_norms, int8 = self.block_stack()
+        weights, qtypes, norms, qk_norms, int8, parts = self.block_stack()
         attn, cache = self.layers[0].self_attn, batch.cache
+        skip = sum(parts[: 4 * first]) if parts else 4 * first  # weights of the layers below `first`
         return ops.decoder_layers(
-            x, weights[4 * first :], qtypes[4 * first :], norms[2 * first :], qk_norms[2 * first :],
+            x, weights[skip:], qtypes[skip:], norms[2 * first :], qk_norms[2 * first :],
             self.config.rms_norm_eps,
             attn.heads, attn.kv_heads, self.config.intermediate_size, *rope, cache.k_layers[first:],
             cache.v_layers[first:], batch.slots, batch.starts, batch.kv_length, batch.visible(),
-            [i - first for i in capture], int8)
+            [i - first for i in capture], int8, parts[4 * first :])
 
     def block_stack(self) -> BlockStack | None:
         """The layers as the one-op CPU layer stack takes them (`block_stack`), or None where it cannot
