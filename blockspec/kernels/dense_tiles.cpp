@@ -16,6 +16,8 @@ namespace {
 
 #define DENSE_AVX512 __attribute__((target("avx2,fma,avx512f")))
 
+constexpr int64_t kAhead = 8;  // inputs ahead whose weights are prefetched
+
 // The leaf for rows r < R and outputs j < width (<= 16 V) with every chain in a register for all its inputs:
 // per input V weight vectors and R broadcasts feed R x V multiply-adds (compute-bound row counts).
 template <int R, int V>
@@ -35,7 +37,11 @@ DENSE_AVX512 void tile512(const float* x, int64_t ldx, const float* w, int64_t l
   for (int64_t k = 0; k < length; ++k) {
     __m512 wv[V];
 #pragma GCC unroll 4
-    for (int u = 0; u < V; ++u) wv[u] = _mm512_maskz_loadu_ps(m[u], w + k * ld + 16 * u);
+    for (int u = 0; u < V; ++u) {
+      wv[u] = _mm512_maskz_loadu_ps(m[u], w + k * ld + 16 * u);
+      // Each input's run of a strip is its own page: no hardware prefetcher follows it, so we do.
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAhead) * ld + 16 * u), _MM_HINT_T0);
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512 xr = _mm512_set1_ps(x[r * ldx + k]);
@@ -64,8 +70,10 @@ AVX2 void tile256(const float* x, int64_t ldx, const float* w, int64_t ld, int64
   for (int64_t k = 0; k < length; ++k) {
     __m256 wv[V];
 #pragma GCC unroll 4
-    for (int u = 0; u < V; ++u)
+    for (int u = 0; u < V; ++u) {
       wv[u] = full ? _mm256_loadu_ps(w + k * ld + 8 * u) : _mm256_maskload_ps(w + k * ld + 8 * u, m[u]);
+      if (u % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAhead) * ld + 8 * u), _MM_HINT_T0);
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 xr = _mm256_broadcast_ss(x + r * ldx + k);
