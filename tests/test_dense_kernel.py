@@ -115,6 +115,16 @@ def test_training_and_other_devices_take_torch_linear():
         torch.testing.assert_close(dense_product(x.detach(), layer.weight, layer.bias), out.detach())
 
 
+def test_strided_inputs_give_the_contiguous_bits():
+    """Inputs that are a view (every other column, a transposed block) multiply as their contiguous copy."""
+    w = column_major(torch.randn(24, 40))
+    wide = torch.randn(6, 80)
+    with torch.inference_mode():
+        assert torch.equal(dense_product(wide[:, ::2], w), dense_product(wide[:, ::2].contiguous(), w))
+        block = torch.randn(40, 6).t()
+        assert torch.equal(dense_product(block, w), dense_product(block.contiguous(), w))
+
+
 def test_bad_inputs_are_named():
     ops = kernels()
     with pytest.raises(RuntimeError, match="x has 8 columns"):

@@ -1,7 +1,7 @@
 """The product of a dense weight: x W^T (+ b) (+ residual), and on the CPU in fp32 inference through our own
 kernel (kernels/dense_matmul.cpp), whose every output sums its inputs in one fixed order: a row gets the
 same bits alone or beside any number of rows, in any prefill chunk, at any thread count, under every
-instruction set the CPU has, from a column-major (a Linear's) or row-major (a tied head's) weight.
+instruction set the CPU has, from a column-major weight (as the engine holds them) or a row-major one.
 
 A BLAS cannot promise that: it picks its GEMM form and blocking by the row count (one row as a GEMV, a few
 as packed panels), so a token's K/V, and then a batched request's text, would depend on its neighbours. The
@@ -34,6 +34,7 @@ def dense_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         out = F.linear(x, weight, bias)
         return out if residual is None else residual + out
     flat = x.reshape(-1, x.shape[-1])
+    flat = flat if flat.stride(-1) == 1 else flat.contiguous()  # the kernel reads rows of inputs
     res = None if residual is None else residual.reshape(flat.shape[0], -1)
     out = ops.dense_matmul(flat, weight, bias, res, _variant, levels)
     return out.view(*x.shape[:-1], weight.shape[0])
